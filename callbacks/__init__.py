@@ -1,0 +1,13 @@
+"""Callbacks, one intervention per file. Installed as ``rlvr_lightning.callbacks``."""
+
+if __name__ != "rlvr_lightning.callbacks":
+    # With the repository root on sys.path this folder would load a second time as `callbacks`,
+    # giving every class two identities (isinstance and jsonargparse then fail).
+    raise ImportError(
+        f"The callbacks package was imported as {__name__!r}; import it as "
+        "`rlvr_lightning.callbacks` (install the project, run tests with the `pytest` command)."
+    )
+
+from rlvr_lightning.callbacks.export_model import ExportModel
+
+__all__ = ["ExportModel"]

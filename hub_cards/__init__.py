@@ -1,0 +1,1 @@
+"""Model card templates, installed as ``rlvr_lightning.hub_cards``."""

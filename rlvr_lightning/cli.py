@@ -1,0 +1,67 @@
+"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+
+from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.module import RLVRModule
+
+
+class RLVRCLI(LightningCLI):
+    """LightningCLI with an optional validation before and after ``fit``.
+
+    With ``evaluate_before_after: true`` (the quickstart sets it), ``fit`` first validates the
+    untrained policy, trains, validates again and prints both results side by side.
+    """
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--evaluate_before_after",
+            type=bool,
+            default=False,
+            help="fit only: validate before and after training and compare.",
+        )
+
+    def _evaluate(self) -> dict[str, float]:
+        results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        return {k: float(v) for k, v in (results[0] if results else {}).items()}
+
+    def before_fit(self) -> None:
+        self._before = self._evaluate() if self._flag() else None
+
+    def after_fit(self) -> None:
+        if self._before is None or self.trainer.interrupted:
+            return
+        after = self._evaluate()
+        print("\nValidation before -> after training")
+        for key in sorted(set(self._before) | set(after)):
+            b, a = self._before.get(key, float("nan")), after.get(key, float("nan"))
+            print(f"  {key:<24} {b:8.4f} -> {a:8.4f}  ({a - b:+.4f})")
+
+    def _flag(self) -> bool:
+        return bool(self.config.get(self.subcommand, {}).get("evaluate_before_after", False))
+
+
+def build_cli(args: list[str] | None = None, run: bool = True) -> RLVRCLI:
+    """Parse ``args`` (default: ``sys.argv``) and run the subcommand; returns the CLI object."""
+    return RLVRCLI(
+        RLVRModule,
+        RLVRDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``rlvr-lightning`` command; ``args`` makes it callable from tests."""
+    build_cli(args)
+
+
+if __name__ == "__main__":
+    main()

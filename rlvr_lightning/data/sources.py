@@ -1,0 +1,244 @@
+"""User datasets: JSONL, Parquet and folders written by ``datasets.Dataset.save_to_disk``.
+
+Every loader returns plain rows (dicts); ``examples_from_rows`` turns them into ``Example``s
+through a column mapping. The ``datasets`` package is never imported: a saved folder is a set of
+Arrow IPC *stream* files listed in ``state.json``, which pyarrow reads directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_COLUMNS: Mapping[str, str] = {"prompt": "prompt", "answer": "answer"}
+"""Column mapping used when none is given: ``our name -> the dataset's column``."""
+
+FILE_SUFFIXES = (".jsonl", ".parquet")
+COLUMNS_HINT = "set the `columns` mapping of RLVRDataModule (CLI: --data.columns)"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt and the columns its reward functions need.
+
+    Args:
+        prompt_id: stable id, ``"<source>:<12 hex digits>"`` from the prompt and answer text, so
+            the same example has the same id across runs, processes and resumes.
+        prompt: the user question, without any instruction or system prompt.
+        columns: ``answer``, optional ``solution``, task metadata and any other column.
+    """
+
+    prompt_id: str
+    prompt: str
+    columns: dict[str, Any]
+
+
+def make_prompt_id(source: str, prompt: str, answer: object) -> str:
+    """Stable id of an example from its source, prompt and answer.
+
+    The NUL separator keeps ``("ab", "c")`` apart from ``("a", "bc")``.
+    """
+    text = f"{prompt}\x00{'' if answer is None else answer}"
+    return f"{source}:{hashlib.sha1(text.encode('utf-8')).hexdigest()[:12]}"
+
+
+def is_path_source(source: str) -> bool:
+    """Whether ``source`` names a file or folder rather than a task."""
+    return source.endswith(FILE_SUFFIXES) or "/" in source or Path(source).exists()
+
+
+def source_name(path: str | Path) -> str:
+    """Short name used in prompt ids: the file name without suffix, or the folder name."""
+    return Path(path).stem
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; blank lines are skipped, a bad line names file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})."
+                ) from e
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}."
+                )
+            rows.append(row)
+    return rows
+
+
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a Parquet file."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _arrow_files(folder: Path) -> list[Path]:
+    """Arrow files of a saved dataset, in the order ``state.json`` lists them."""
+    if (folder / "dataset_dict.json").exists():
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        raise ValueError(
+            f"{folder} holds a DatasetDict with splits {splits}; point the source at one split "
+            f"folder, e.g. {folder / splits[0]}."
+        )
+    state = folder / "state.json"
+    if state.exists():
+        return [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    files = sorted(folder.glob("*.arrow"))
+    if not files:
+        raise ValueError(
+            f"{folder} has neither state.json nor .arrow files; expected a folder written by "
+            "datasets.Dataset.save_to_disk."
+        )
+    return files
+
+
+def read_saved_dataset(folder: str | Path) -> list[dict[str, Any]]:
+    """Rows of a folder written by ``datasets.Dataset.save_to_disk`` (Arrow IPC streams)."""
+    import pyarrow as pa
+
+    rows: list[dict[str, Any]] = []
+    for file in _arrow_files(Path(folder)):
+        with pa.memory_map(str(file)) as source:
+            rows.extend(pa.ipc.open_stream(source).read_all().to_pylist())
+    return rows
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a ``.jsonl`` file, a ``.parquet`` file or a saved ``datasets`` folder."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Data source {path} does not exist.")
+    if path.is_dir():
+        return read_saved_dataset(path)
+    if path.suffix == ".jsonl":
+        return read_jsonl(path)
+    if path.suffix == ".parquet":
+        return read_parquet(path)
+    raise ValueError(
+        f"Unsupported data file {path}: use .jsonl, .parquet or a folder written by "
+        "datasets.Dataset.save_to_disk."
+    )
+
+
+def resolve_columns(columns: Mapping[str, str] | None) -> dict[str, str]:
+    """The mapping to apply: the default when None; ``prompt`` defaults to ``"prompt"``."""
+    if columns is None:
+        return dict(DEFAULT_COLUMNS)
+    return {"prompt": "prompt", **columns}
+
+
+def _check_mapping(row: Mapping[str, Any], mapping: Mapping[str, str], where: str) -> None:
+    """Raise when a mapped column is missing or a renamed column would overwrite another."""
+    for ours, theirs in mapping.items():
+        if theirs not in row:
+            raise ValueError(
+                f"{where}: column {theirs!r} (mapped to {ours!r}) is missing; present columns: "
+                f"{sorted(row)}. To fix, {COLUMNS_HINT}, e.g. columns: {{{ours}: <column>}}."
+            )
+    clashes = [name for name in mapping if name in row and name not in mapping.values()]
+    if clashes:
+        raise ValueError(
+            f"{where}: the mapping renames columns onto existing columns {clashes}, which would be "
+            f"lost. To fix, {COLUMNS_HINT} so those columns get new names, e.g. "
+            f"columns: {{raw_{clashes[0]}: {clashes[0]}}}."
+        )
+
+
+def _rename(row: Mapping[str, Any], mapping: Mapping[str, str]) -> dict[str, Any]:
+    """Row with mapped columns renamed to our names; unmapped columns pass through."""
+    renamed = {ours: row[theirs] for ours, theirs in mapping.items()}
+    mapped = set(mapping.values())
+    renamed.update({k: v for k, v in row.items() if k not in mapped})
+    return renamed
+
+
+def examples_from_rows(
+    rows: Iterable[Mapping[str, Any]],
+    source: str,
+    origin: str,
+    columns: Mapping[str, str] | None = None,
+) -> list[Example]:
+    """Examples from rows through a column mapping; empty prompts are skipped with a warning.
+
+    Args:
+        rows: dataset rows.
+        source: prefix of the prompt ids.
+        origin: where the rows come from (a path), for error messages.
+        columns: ``our name -> the dataset's column``; see ``resolve_columns``.
+    """
+    mapping = resolve_columns(columns)
+    examples, empty = [], 0
+    for i, row in enumerate(rows, start=1):
+        _check_mapping(row, mapping, f"{origin} row {i}")
+        fields = _rename(row, mapping)
+        prompt = fields.pop("prompt")
+        if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+            empty += 1
+            continue
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{origin} row {i}: the prompt column {mapping['prompt']!r} must hold text, got "
+                f"{type(prompt).__name__}. To fix, {COLUMNS_HINT} to a text column."
+            )
+        pid = make_prompt_id(source, prompt, fields.get("answer"))
+        examples.append(Example(prompt_id=pid, prompt=prompt, columns=fields))
+    if empty:
+        warnings.warn(f"{origin}: skipped {empty} rows with an empty prompt.", stacklevel=2)
+    return examples
+
+
+def load_examples(path: str | Path, columns: Mapping[str, str] | None = None) -> list[Example]:
+    """Examples of a ``.jsonl``/``.parquet`` file or a saved ``datasets`` folder."""
+    return examples_from_rows(read_rows(path), source_name(path), str(path), columns)
+
+
+def holdout_split(
+    examples: list[Example], val_size: int, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """Split off ``val_size`` examples chosen by a seeded permutation; both keep file order.
+
+    Validation examples whose prompt also appears in train (duplicate rows) are dropped with a
+    warning, so the two splits never share a question.
+    """
+    if val_size >= len(examples):
+        raise ValueError(
+            f"val_size={val_size} leaves no training examples out of {len(examples)}; lower "
+            "val_size or pass a separate val_source."
+        )
+    perm = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed))
+    held = set(perm[:val_size].tolist())
+    train = [e for i, e in enumerate(examples) if i not in held]
+    val = [e for i, e in enumerate(examples) if i in held]
+    return train, drop_overlap(val, train, "validation")
+
+
+def drop_overlap(candidates: list[Example], reference: list[Example], what: str) -> list[Example]:
+    """``candidates`` without prompts present in ``reference`` (or repeated), with a warning."""
+    seen = {e.prompt for e in reference}
+    kept = []
+    for example in candidates:
+        if example.prompt not in seen:
+            kept.append(example)
+            seen.add(example.prompt)
+    if len(kept) < len(candidates):
+        dropped = len(candidates) - len(kept)
+        warnings.warn(
+            f"Dropped {dropped} {what} examples that repeat a training prompt or an earlier one.",
+            stacklevel=2,
+        )
+    return kept

@@ -1,0 +1,123 @@
+"""Token log-probs of completions under a model, in memory-bounded micro-batches."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from rlvr_lightning.ops import entropy_from_logits, logprobs_from_logits
+
+
+def group_microbatches(groups: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Split positions ``0..n-1`` into micro-batches of at most ``size`` rows, whole groups kept
+    together where possible, so rows sharing a prompt encode it once (``share_prompts``).
+
+    Args:
+        groups: ``[n]`` group (prompt) index of each row.
+    """
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}.")
+    order = torch.argsort(groups, stable=True)  # [n]
+    return list(torch.split(order, size))
+
+
+def _trim(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> tuple[int, int]:
+    """First prompt column that is not padding in every row, and the longest completion."""
+    p_start = int((prompt_mask.sum(0) > 0).nonzero().min()) if prompt_mask.any() else 0
+    return p_start, max(int(completion_mask.sum(-1).max()), 1)
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The forward argument that takes a KV cache: ``cache`` (transformers >= 5.2x) or older
+    ``past_key_values``; a peft wrapper is looked through to its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _shared_prompt_logits(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Logits ``[n, t, V]`` predicting each completion token, running each prompt only once.
+
+    The ``G`` rows of a group share their prompt, so the prompt is encoded once per distinct
+    prompt and its key/value cache is gathered per row (``index_select`` keeps the gradient to
+    the prompt's activations). The logit predicting the first completion token comes from the
+    prompt's last position; the completion pass gives the rest.
+    """
+    unique, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [u, p], [n]
+    first = inverse.new_zeros(len(unique)).scatter_(0, inverse, torch.arange(len(inverse)))
+    umask = prompt_mask[first]  # [u, p]
+    out = model(
+        input_ids=unique,
+        attention_mask=umask,
+        position_ids=(umask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = out.past_key_values
+    cache.reorder_cache(inverse)  # [u] -> [n] rows, differentiable (index_select)
+    attn = torch.cat([prompt_mask, completion_mask], dim=1)  # [n, p + t]
+    positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(
+        completion_ids.shape[1], device=attn.device
+    )  # [n, t]
+    rest = model(
+        input_ids=completion_ids,
+        attention_mask=attn,
+        position_ids=positions,
+        use_cache=True,
+        **{_cache_kwarg(model): cache},
+        logits_to_keep=completion_ids.shape[1],
+    ).logits  # [n, t, V]
+    return torch.cat([out.logits[inverse], rest[:, :-1]], dim=1)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: torch.Tensor,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[n, T]`` of the completion tokens at the rows' sampling temperatures.
+
+    Columns that are padding in every row are trimmed first, and logits are computed only for
+    the completion positions. With ``share_prompts`` each distinct prompt is encoded once (see
+    ``_shared_prompt_logits``); otherwise every row runs prompt and completion in one pass.
+    Position ids follow the attention mask, as in generation with left padding.
+    """
+    t_full = completion_ids.shape[1]
+    p_start, t_end = _trim(prompt_ids, prompt_mask, completion_mask)
+    pids, pmask = prompt_ids[:, p_start:], prompt_mask[:, p_start:]  # [n, p]
+    cids, cmask = completion_ids[:, :t_end], completion_mask[:, :t_end]  # [n, t]
+    if share_prompts:
+        logits = _shared_prompt_logits(model, pids, pmask, cids, cmask)  # [n, t, V]
+    else:
+        attn = torch.cat([pmask, cmask], dim=1)  # [n, p + t]
+        out = model(
+            input_ids=torch.cat([pids, cids], dim=1),
+            attention_mask=attn,
+            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+            logits_to_keep=t_end + 1,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1]  # [n, t, V]
+    logits = logits.float() / temperature[:, None, None]  # [n, t, V]
+    logp = logprobs_from_logits(logits, cids)  # [n, t]
+    entropy = None
+    if with_entropy:
+        # The entropy keeps its graph only when it is part of the loss (an entropy bonus).
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())  # [n, t]
+        entropy = nn.functional.pad(entropy, (0, t_full - t_end))
+    return nn.functional.pad(logp, (0, t_full - t_end)), entropy

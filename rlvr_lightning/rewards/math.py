@@ -1,0 +1,190 @@
+"""Answer extraction, answer comparison and accuracy rewards for math problems.
+
+Reward functions follow the package contract
+``fn(completions: list[str], **columns) -> list[float | None]``; ``None`` marks a row the
+function does not apply to (here: a row without a gold answer).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from fractions import Fraction
+
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# A minus sign binds to a number only when it does not follow a word character, so "5-3" yields
+# "3" and a date "2024-01-02" yields "02" rather than negative numbers.
+_NUMBER = re.compile(
+    r"(?:(?<![\w.])[-\u2212])?"
+    r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)?(?:\.\d+)?(?:(?<=\d)/\d+)?"
+)
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
+_ABS_TOL = Fraction(1, 10**6)
+
+
+def _balanced_end(text: str, start: int) -> int | None:
+    """Index of the ``}`` closing the group whose ``{`` is at ``start - 1``, else None.
+
+    Escaped braces (``\\{``, ``\\}``) are skipped so that ``\\boxed{\\{1, 2\\}}`` stays whole.
+    """
+    depth, i = 1, start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth == 0:
+            return i
+        i += 1
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""Content of the last top-level ``\boxed{...}`` (or ``\fbox{...}``), None if there is none.
+
+    Braces are matched, so nested groups such as ``\frac{1}{2}`` stay whole; a box without its
+    closing brace is ignored.
+
+    >>> extract_boxed(r"so \boxed{1} or rather \boxed {\frac{1}{2}}")
+    '\\frac{1}{2}'
+    >>> extract_boxed("no box") is None
+    True
+    """
+    found, pos = None, 0
+    while (match := _BOX_OPEN.search(text, pos)) is not None:
+        end = _balanced_end(text, match.end())
+        if end is None:
+            pos = match.end()
+            continue
+        # Continue after the closing brace so a box nested inside this one never wins.
+        found, pos = text[match.end() : end], end + 1
+    return found
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` as normalised text, None if there is none.
+
+    Thousands separators are removed, a Unicode minus becomes ``-``, fractions stay as text.
+
+    >>> last_number("2 apples cost $1,234.50, i.e. -3/4 of the budget")
+    '-3/4'
+    >>> last_number("total: 1,234")
+    '1234'
+    >>> last_number("none") is None
+    True
+    """
+    numbers = [m.group(0) for m in _NUMBER.finditer(text) if any(c.isdigit() for c in m.group(0))]
+    if not numbers:
+        return None
+    return numbers[-1].replace(",", "").replace("\u2212", "-")
+
+
+def normalize_gold(answer: object) -> str:
+    r"""Gold answer as a bare string: text after ``####``, content of a ``\boxed{}``, no commas.
+
+    >>> normalize_gold("She pays 5 + 7 = 12.\n#### 1,234")
+    '1234'
+    >>> normalize_gold(r"The answer is \boxed{\frac{1}{2}}.")
+    '\\frac{1}{2}'
+    """
+    text = "" if answer is None else str(answer)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        text = boxed
+    return _THOUSANDS_COMMA.sub("", text.strip())
+
+
+def _as_number(text: str) -> Fraction | None:
+    """Exact value of a plain int, decimal or simple fraction, None for anything else."""
+    cleaned = _THOUSANDS_COMMA.sub("", text.strip().replace("\u2212", "-")).rstrip(".")
+    if not _PLAIN_NUMBER.fullmatch(cleaned):
+        return None
+    try:
+        return Fraction(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _symbolic_match(pred: str, gold: str) -> bool:
+    """Equivalence according to math-verify, with its signal-based timeouts disabled.
+
+    math-verify's timeouts use ``signal.alarm``, which fails off the main thread, and
+    ``RewardCombiner`` runs reward functions in worker threads with its own timeout. The import
+    is local because sympy takes about a second to load and the numeric path never needs it.
+    """
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
+    pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    r"""Whether ``pred`` is equivalent to ``gold``; never raises, returns False on odd input.
+
+    Plain numbers compare exactly up to an absolute tolerance of 1e-6; anything else goes
+    through math-verify.
+
+    >>> answers_match("10.0", "10"), answers_match("\u22124", "-4"), answers_match("3", "4")
+    (True, True, False)
+    >>> answers_match(r"\frac{1}{2}", "0.5")
+    True
+    """
+    try:
+        pred, gold = str(pred).strip(), str(gold).strip()
+        if not pred or not gold:
+            return False
+        if pred == gold:
+            return True
+        pred_value, gold_value = _as_number(pred), _as_number(gold)
+        if pred_value is not None and gold_value is not None:
+            return abs(pred_value - gold_value) <= _ABS_TOL
+        return _symbolic_match(pred, gold)
+    except Exception:  # a grader crash on model output must not stop training
+        return False
+
+
+def _score(pred: str | None, answer: object) -> float | None:
+    """1.0 / 0.0 for a prediction against a raw gold answer; None when there is no gold."""
+    gold = normalize_gold(answer)
+    if not gold:
+        return None
+    return float(pred is not None and answers_match(pred, gold))
+
+
+def boxed_accuracy(
+    completions: list[str], answer: Sequence[object], **_: object
+) -> list[float | None]:
+    r"""1.0 when the last ``\boxed{}`` matches ``answer``, else 0.0; None without a gold answer.
+
+    Strict: an answer given outside a box scores 0.0.
+
+    >>> boxed_accuracy([r"\boxed{42}", "42", r"\boxed{7}"], answer=["#### 42", "42", None])
+    [1.0, 0.0, None]
+    """
+    return [_score(extract_boxed(c), a) for c, a in zip(completions, answer, strict=True)]
+
+
+def answer_accuracy(
+    completions: list[str], answer: Sequence[object], **_: object
+) -> list[float | None]:
+    r"""1.0 when the boxed answer, or failing that the last number, matches ``answer``.
+
+    None for rows without a gold answer.
+
+    >>> answer_accuracy([r"\boxed{42}", "so it is 1,234.", "no idea"], answer=["42", "1234", "1"])
+    [1.0, 1.0, 0.0]
+    """
+    preds = [_boxed_or_last_number(c) for c in completions]
+    return [_score(p, a) for p, a in zip(preds, answer, strict=True)]
+
+
+def _boxed_or_last_number(text: str) -> str | None:
+    boxed = extract_boxed(text)
+    return boxed if boxed is not None else last_number(text)

@@ -1,0 +1,53 @@
+"""Per-step statistics: the ``StepOutput`` that logging, the data module and callbacks read."""
+
+from __future__ import annotations
+
+import torch
+
+from rlvr_lightning.types import PromptBatch, Scored, StepOutput
+
+
+def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B * G]`` -> ``[B, G]``."""
+    return x.reshape(-1, group_size)
+
+
+def summarise_step(
+    step: int,
+    batch: PromptBatch,
+    scored: Scored,
+    advantages: torch.Tensor,
+    update_metrics: dict[str, float],
+    lr: float,
+) -> StepOutput:
+    """Group-level statistics and the scalar metrics logged every step."""
+    g = scored.rollouts.group_size
+    rewards = group_view(scored.rewards.detach().float().cpu(), g)  # [B, G]
+    correct = group_view(scored.correct.cpu(), g)  # [B, G]
+    lengths = group_view(scored.rollouts.lengths.cpu(), g)  # [B, G]
+    variance = rewards.var(dim=1, unbiased=True) if g > 1 else torch.zeros(len(rewards))  # [B]
+    metrics = {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "accuracy": float(correct.float().mean()),
+        "zero_variance_frac": float((variance == 0).float().mean()),
+        "adv_abs_mean": float(advantages.detach().abs().mean()),
+        "completion_len": float(lengths.float().mean()),
+        "truncated_frac": float(scored.rollouts.truncated.float().mean()),
+        "lr": lr,
+    }
+    for name, values in scored.per_function.items():
+        metrics[f"reward/{name}"] = float(values.nanmean()) if values.numel() else 0.0
+    metrics.update({k: v for k, v in scored.metrics.items() if not k.endswith("/mean")})
+    metrics.update(update_metrics)
+    return StepOutput(
+        step=step,
+        prompt_ids=list(batch.prompt_ids),
+        group_size=g,
+        rewards=rewards,
+        correct=correct,
+        lengths=lengths,
+        pass_rate=correct.float().mean(dim=1),
+        group_variance=variance,
+        metrics=metrics,
+    )

@@ -1,0 +1,141 @@
+"""Batch types passed between the stages of a training step.
+
+Dimension glossary (used in every shape comment of the package):
+
+- ``B``: prompts in a step.
+- ``G``: completions per prompt (the group size); groups are consecutive rows.
+- ``N``: rows of a rollout batch, ``N = B * G``.
+- ``P``: prompt tokens (left-padded).
+- ``T``: completion tokens (right-padded).
+
+Each stage reads the previous one and adds fields; nothing reaches back::
+
+    PromptBatch [B] -> Rollouts [N, T] -> Scored [N] -> advantages [N] or [N, T] -> StepOutput
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SOURCE_POLICY = "policy"
+"""Source tag of completions sampled from the current policy."""
+
+
+@dataclass
+class PromptBatch:
+    """Prompts for one step, as the data module yields them.
+
+    Args:
+        prompt_ids: ``[B]`` stable ids; the same example keeps its id across runs and resumes.
+        messages: ``[B]`` chat messages (``{"role", "content"}`` dicts) ending with the user turn;
+            the module applies the tokenizer's chat template.
+        columns: extra per-prompt columns (``answer``, ``solution``, task metadata, ...), each a
+            list of length ``B``; reward functions receive them repeated ``G`` times.
+
+    Not frozen only because Lightning's precision plugins rebuild dataclass batches field by
+    field; treat it as immutable and make a new one to change it.
+    """
+
+    prompt_ids: list[str]
+    messages: list[list[dict[str, str]]]
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_ids)
+        if len(self.messages) != n or any(len(v) != n for v in self.columns.values()):
+            lengths = {k: len(v) for k, v in self.columns.items()}
+            raise ValueError(
+                f"PromptBatch fields must all have length {n} (prompt_ids); got "
+                f"messages={len(self.messages)}, columns={lengths}."
+            )
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample completions.
+
+    Args:
+        max_new_tokens: completion budget ``T_max``.
+        temperature: sampling temperature; ``0`` means greedy.
+        top_p: nucleus threshold (``1.0`` disables it).
+        top_k: keep the ``k`` most likely tokens (``0`` disables it).
+        group_size: completions per prompt ``G``.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    group_size: int = 1
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """Completions of a prompt batch, ``G`` consecutive rows per prompt.
+
+    ``behaviour_logp`` holds the log-probabilities of the sampled tokens under the exact
+    distribution they were drawn from (after temperature, top-k and top-p), so importance
+    ratios need no extra forward pass. Rows from other sources (injected solutions, a teacher)
+    carry their own tag in ``sources``.
+    """
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded prompt tokens
+    prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
+    completion_ids: torch.Tensor  # [N, T] right-padded completion tokens
+    completion_mask: torch.Tensor  # [N, T] 1 on completion tokens up to and including EOS
+    behaviour_logp: torch.Tensor  # [N, T] log-prob of each sampled token (0 on padding)
+    temperature: torch.Tensor  # [N] sampling temperature of each row (1.0 for greedy rows)
+    truncated: torch.Tensor  # [N] bool, True when the row hit max_new_tokens without EOS
+    completions: list[str]  # [N] decoded completion text (special tokens removed)
+    group_size: int
+    sources: tuple[str, ...] = ()  # [N] source tag per row; empty means all SOURCE_POLICY
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:  # [N]
+        return self.completion_mask.sum(-1)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Rewards of a rollout batch.
+
+    Args:
+        rewards: ``[N]`` weighted total reward.
+        per_function: name -> ``[N]`` raw reward of each function (NaN where not applicable).
+        correct: ``[N]`` bool, whether the accuracy reward counts the row as solved.
+        metrics: scalar metrics of scoring (failures, timeouts, ...).
+    """
+
+    rollouts: Rollouts
+    rewards: torch.Tensor  # [N]
+    per_function: dict[str, torch.Tensor]  # name -> [N]
+    correct: torch.Tensor  # [N] bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one training step leaves behind for the data module and callbacks.
+
+    Read it through ``RLVRModule.last_step`` or the ``on_step_output`` hook of the data module.
+    """
+
+    step: int  # rollout step index, counted from 0
+    prompt_ids: list[str]  # [B]
+    group_size: int
+    rewards: torch.Tensor  # [B, G]
+    correct: torch.Tensor  # [B, G] bool
+    lengths: torch.Tensor  # [B, G] completion tokens
+    pass_rate: torch.Tensor  # [B] fraction of correct rows per group (k / G)
+    group_variance: torch.Tensor  # [B] unbiased variance of rewards within each group
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,126 @@
+"""Two-step ``fit`` runs of the tiny in-process model through the CLI."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlvr_lightning.cli import build_cli
+
+CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+
+EXPECTED_KEYS = {
+    "train/reward",
+    "train/reward_std",
+    "train/accuracy",
+    "train/zero_variance_frac",
+    "train/adv_abs_mean",
+    "train/clip_frac_low",
+    "train/clip_frac_high",
+    "train/approx_kl_old",
+    "train/entropy",
+    "train/completion_len",
+    "train/truncated_frac",
+    "train/gen_tokens_per_s",
+    "train/step_time_s",
+    "train/loss",
+    "train/lr",
+    "train/grad_norm",
+    "train/reward/digit_fraction",
+    "val/accuracy",
+    "val/reward",
+}
+
+
+def _fit(tmp_path, *extra):
+    args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}", *extra]
+    return build_cli(args)
+
+
+def test_two_steps_change_parameters_and_log_metrics(tmp_path):
+    cli = build_cli(["--config", CONFIG], run=False)
+    before = [p.detach().clone() for p in cli.model.policy.parameters()]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    after = list(cli.model.policy.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert cli.trainer.global_step == 2
+    missing = EXPECTED_KEYS - set(cli.trainer.logged_metrics)
+    assert not missing, f"not logged: {sorted(missing)}"
+
+
+def test_export_folder_loads_with_auto_classes(tmp_path):
+    cli = _fit(
+        tmp_path,
+        "--trainer.callbacks+=rlvr_lightning.callbacks.ExportModel",
+        "--trainer.callbacks.dirpath=exported",
+    )
+    folder = tmp_path / "exported"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.chat_template
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        expected = cli.model.policy(ids).logits
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+
+
+def test_resume_restores_step_and_optimizer(tmp_path):
+    ckpt_cb = [
+        "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        "--trainer.callbacks.save_last=true",
+    ]
+    _fit(tmp_path, *ckpt_cb)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.exists()
+    saved = torch.load(last, weights_only=False)
+    assert saved["optimizer_states"][0]["state"], "optimiser moments were not saved"
+    cli = _fit(tmp_path, *ckpt_cb, "--trainer.max_steps=3", f"--ckpt_path={last}")
+    assert cli.trainer.global_step == 3
+    assert cli.model._rollout_step == 3
+
+
+def test_validate_subcommand_runs_without_training():
+    cli = build_cli(["validate", "--config", CONFIG])
+    assert "val/accuracy" in cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 0
+
+
+def test_lora_with_kl_uses_the_disabled_adapter_as_reference(tmp_path):
+    cli = build_cli(
+        [
+            "--config",
+            CONFIG,
+            "--model.init_args.lora_rank=4",
+            "--model.init_args.kl_coef=0.1",
+            "--model.init_args.lora_target_modules=[q_proj,v_proj]",
+        ],
+        run=False,
+    )
+    assert cli.model.reference is None
+    base = {
+        n: p.detach().clone() for n, p in cli.model.policy.named_parameters() if "lora" not in n
+    }
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    for n, p in cli.model.policy.named_parameters():
+        if "lora" not in n:
+            assert torch.equal(p, base[n]), f"base weight {n} changed under LoRA"
+    assert "train/kl" in cli.trainer.logged_metrics
+
+
+def test_kl_with_full_finetuning_keeps_a_frozen_copy():
+    cli = build_cli(["--config", CONFIG, "--model.init_args.kl_coef=0.1"], run=False)
+    ref = cli.model.reference
+    assert ref is not None and not any(p.requires_grad for p in ref.parameters())
+    assert not any(k.startswith("_reference") for k in cli.model.state_dict())
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert "train/kl" in cli.trainer.logged_metrics
+
+
+@pytest.mark.parametrize("algorithm", ["dapo", "dr_grpo", "gspo", "cispo"])
+def test_presets_train(algorithm):
+    cli = build_cli(["--config", CONFIG, f"--model.init_args.algorithm={algorithm}"], run=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step >= 1 or algorithm == "dapo"

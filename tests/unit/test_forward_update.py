@@ -1,0 +1,98 @@
+import torch
+
+from rlvr_lightning.forward import completion_logprobs, group_microbatches
+from rlvr_lightning.losses import ppo_clip_loss
+from rlvr_lightning.rollout.hf import HFEngine
+from rlvr_lightning.testing import tiny_policy
+from rlvr_lightning.types import Sampling
+from rlvr_lightning.update import PolicyUpdate
+
+
+def test_microbatches_keep_groups_together():
+    groups = torch.tensor([2, 0, 1, 0, 2, 1])
+    batches = group_microbatches(groups, 2)
+    # positions sorted by group, stable: group 0 -> [1, 3], group 1 -> [2, 5], group 2 -> [0, 4]
+    assert [b.tolist() for b in batches] == [[1, 3], [2, 5], [0, 4]]
+
+
+def _rollouts(seed=0):
+    model, tok = tiny_policy(seed=seed)
+    tok.padding_side = "left"
+    engine = HFEngine(model, tok)
+    enc = tok(["ab", "hello there"], return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(seed)
+    return model, engine.generate(
+        enc.input_ids, enc.attention_mask, Sampling(max_new_tokens=8, group_size=3)
+    )
+
+
+def _grads(model, rollouts, micro, mode):
+    model.zero_grad()
+    upd = PolicyUpdate(
+        loss_fn=ppo_clip_loss,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=None,
+        agg_mode=mode,
+        norm_len=8,
+        kl_coef=0.0,
+        kl_estimator="k3",
+        entropy_coef=0.0,
+        micro_batch_size=micro,
+    )
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    rows = torch.arange(6)
+    loss, _ = upd.accumulate(model, rollouts, adv, rows, lambda f: None, lambda x: x.backward())
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+def test_micro_batching_gives_the_full_batch_gradient():
+    model, rollouts = _rollouts()
+    for mode in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]:
+        full_loss, full = _grads(model, rollouts, micro=6, mode=mode)
+        part_loss, part = _grads(model, rollouts, micro=2, mode=mode)
+        assert abs(full_loss - part_loss) < 1e-5
+        for a, b in zip(full, part, strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_shared_prompt_pass_matches_the_plain_pass_in_value_and_gradient():
+    model, r = _rollouts(seed=2)
+    idx = torch.tensor([4, 0, 5, 1])  # rows of two prompts, out of order
+    results = []
+    for share in (True, False):
+        model.zero_grad()
+        lp, _ = completion_logprobs(
+            model,
+            r.prompt_ids[idx],
+            r.prompt_mask[idx],
+            r.completion_ids[idx],
+            r.completion_mask[idx],
+            r.temperature[idx],
+            share_prompts=share,
+        )
+        lp = lp * r.completion_mask[idx]
+        lp.sum().backward()
+        results.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_completion_logprobs_ignores_extra_padding():
+    model, r = _rollouts(seed=1)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.temperature
+        )
+        # Two more pad columns on the left must not change anything (positions follow the mask).
+        pad = torch.full((6, 2), 0)
+        lp2, _ = completion_logprobs(
+            model,
+            torch.cat([pad, r.prompt_ids], 1),
+            torch.cat([pad, r.prompt_mask], 1),
+            r.completion_ids,
+            r.completion_mask,
+            r.temperature,
+        )
+    assert torch.allclose(lp * r.completion_mask, lp2 * r.completion_mask, atol=1e-5)

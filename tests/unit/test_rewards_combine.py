@@ -1,0 +1,166 @@
+"""RewardCombiner: weights, None, column filtering, isolation, timeouts (rewards/combine.py)."""
+
+from __future__ import annotations
+
+import doctest
+import logging
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner
+from rlvr_lightning.rewards import combine as combine_module
+
+LOGGER = "rlvr_lightning.rewards.combine"
+
+
+def length_reward(completions: list[str]) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
+def exact(completions: list[str], answer: list[str | None]) -> list[float | None]:
+    return [None if a is None else float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def fails_on_bad(completions: list[str], **_: Any) -> list[float]:
+    if any(c == "bad" for c in completions):
+        raise RuntimeError("cannot score 'bad'")
+    return [1.0] * len(completions)
+
+
+def hangs(completions: list[str]) -> list[float]:
+    time.sleep(5)
+    return [1.0] * len(completions)
+
+
+def test_doctests() -> None:
+    result = doctest.testmod(combine_module)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+def test_weighted_total_with_none() -> None:
+    combiner = RewardCombiner([exact, length_reward], weights=[2.0, 0.5], timeout_s=None)
+    result = combiner(["ab", "abc", "x"], {"answer": ["ab", "zzz", None]})
+    # row 0: 2*1 + 0.5*2 = 3; row 1: 2*0 + 0.5*3 = 1.5; row 2: exact is None -> 0.5*1 = 0.5
+    torch.testing.assert_close(result.total, torch.tensor([3.0, 1.5, 0.5]))
+    assert result.total.dtype == torch.float32
+    assert math.isnan(result.per_function["exact"][2])
+    assert result.metrics["reward/exact/mean"] == pytest.approx(0.5)  # nanmean of [1, 0]
+    assert result.metrics["reward/length_reward/mean"] == pytest.approx(2.0)
+
+
+def test_row_where_every_function_is_none_scores_zero() -> None:
+    combiner = RewardCombiner([exact], timeout_s=None)
+    result = combiner(["a", "b"], {"answer": [None, "b"]})
+    torch.testing.assert_close(result.total, torch.tensor([0.0, 1.0]))
+    all_none = combiner(["a"], {"answer": [None]})
+    assert "reward/exact/mean" not in all_none.metrics  # nothing applicable, nothing to average
+
+
+def test_columns_filtered_by_signature() -> None:
+    seen: dict[str, set[str]] = {}
+
+    def named(
+        completions: list[str], answer: list[str], extra: list[int] | None = None
+    ) -> list[float]:
+        seen["named"] = {"answer"} | ({"extra"} if extra is not None else set())
+        return [0.0] * len(completions)
+
+    def takes_all(completions: list[str], **columns: list[Any]) -> list[float]:
+        seen["takes_all"] = set(columns)
+        return [0.0] * len(completions)
+
+    combiner = RewardCombiner([named, takes_all])
+    combiner(["a"], {"answer": ["a"], "solution": ["s"], "completion_length": [1]})
+    assert seen == {"named": {"answer"}, "takes_all": {"answer", "solution", "completion_length"}}
+
+
+def test_default_names() -> None:
+    combiner = RewardCombiner([exact, exact, OverlongPenalty(10, 4)])
+    assert combiner.names == ["exact", "exact_2", "overlong_penalty"]
+    with pytest.raises(ValueError, match="distinct name"):
+        RewardCombiner([exact, length_reward], names=["a", "a"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"weights": [1.0]}, "one weight per function"),
+        ({"names": ["only_one"]}, "one distinct name per function"),
+        ({"timeout_s": -1.0}, "timeout_s"),
+    ],
+)
+def test_constructor_validation(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RewardCombiner([exact, length_reward], **kwargs)
+
+
+def test_missing_column_names_function_column_and_available() -> None:
+    combiner = RewardCombiner([exact])
+    with pytest.raises(ValueError) as info:
+        combiner(["a"], {"solution": ["s"], "completion_length": [1]})
+    message = str(info.value)
+    assert "'exact'" in message
+    assert "'answer'" in message
+    assert "['completion_length', 'solution']" in message
+
+
+def test_raising_function_isolated_per_row(caplog: pytest.LogCaptureFixture) -> None:
+    combiner = RewardCombiner([fails_on_bad, length_reward], timeout_s=1.0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        first = combiner(["ok", "bad", "ok"], {})
+        second = combiner(["bad", "ok"], {})
+    torch.testing.assert_close(first.per_function["fails_on_bad"], torch.tensor([1.0, 0.0, 1.0]))
+    torch.testing.assert_close(second.per_function["fails_on_bad"], torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(first.total, torch.tensor([3.0, 3.0, 3.0]))  # 1+2, 0+3, 1+2
+    assert first.metrics["reward/fails_on_bad/failures"] == 1.0
+    assert second.metrics["reward/fails_on_bad/failures"] == 2.0  # cumulative over calls
+    assert second.metrics["reward/length_reward/failures"] == 0.0
+    warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "fails_on_bad" in warnings[0].getMessage()
+    assert warnings[0].exc_info is not None
+
+
+@pytest.mark.parametrize(
+    ("returned", "match"),
+    [(["x"], "expected a float or None"), ([1.0, 2.0], "expected a list of 1 values")],
+)
+def test_bad_return_counts_as_failure(
+    returned: list[Any], match: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(completions: list[str]) -> list[Any]:
+        return returned
+
+    combiner = RewardCombiner([broken], timeout_s=None)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        result = combiner(["a"], {})
+    torch.testing.assert_close(result.total, torch.tensor([0.0]))
+    assert result.metrics["reward/broken/failures"] == 1.0
+    assert match in caplog.text
+
+
+def test_hanging_function_times_out(caplog: pytest.LogCaptureFixture) -> None:
+    combiner = RewardCombiner([hangs, length_reward], timeout_s=0.2)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        result = combiner(["ab", "c"], {})
+    assert time.monotonic() - start < 2.0
+    torch.testing.assert_close(result.per_function["hangs"], torch.tensor([0.0, 0.0]))
+    torch.testing.assert_close(result.total, torch.tensor([2.0, 1.0]))
+    assert result.metrics["reward/hangs/timeouts"] == 1.0
+    assert result.metrics["reward/length_reward/timeouts"] == 0.0
+    assert "timeout_s=0.2" in caplog.text
+
+
+def test_tensor_and_nan_returns_accepted() -> None:
+    def as_tensor(completions: list[str]) -> torch.Tensor:
+        return torch.tensor([1.0, float("nan")])
+
+    result = RewardCombiner([as_tensor])(["a", "b"], {})
+    torch.testing.assert_close(result.total, torch.tensor([1.0, 0.0]))  # NaN means not applicable
+    assert math.isnan(result.per_function["as_tensor"][1])

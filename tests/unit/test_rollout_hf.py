@@ -1,0 +1,77 @@
+import math
+
+import pytest
+import torch
+
+from rlvr_lightning.forward import completion_logprobs
+from rlvr_lightning.rollout.hf import HFEngine, completion_mask, sampling_logprobs
+from rlvr_lightning.testing import tiny_policy
+from rlvr_lightning.types import Sampling
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model, tokenizer = tiny_policy(seed=0)
+    tokenizer.padding_side = "left"
+    return HFEngine(model, tokenizer)
+
+
+def _prompts(engine, texts):
+    enc = engine.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc.input_ids, enc.attention_mask
+
+
+def test_sampling_logprobs_temperature_topk_topp_by_hand():
+    logits = torch.tensor([[math.log(4.0), math.log(2.0), math.log(1.0), math.log(1.0)]])
+    # temperature 1: probs 4/8, 2/8, 1/8, 1/8
+    got = sampling_logprobs(logits, torch.tensor([1.0]), top_k=0, top_p=1.0).exp()
+    assert torch.allclose(got, torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    # temperature 2 takes square roots: 2, sqrt2, 1, 1 over 4 + sqrt2
+    got = sampling_logprobs(logits, torch.tensor([2.0]), top_k=0, top_p=1.0).exp()
+    z = 4 + math.sqrt(2)
+    assert torch.allclose(got, torch.tensor([[2 / z, math.sqrt(2) / z, 1 / z, 1 / z]]))
+    # top-k 2 keeps 4 and 2: 2/3, 1/3
+    got = sampling_logprobs(logits, torch.tensor([1.0]), top_k=2, top_p=1.0).exp()
+    assert torch.allclose(got, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    # top-p 0.6: mass before token 2 is 0.5 < 0.6 so it stays; before token 3 it is 0.75 -> drop
+    got = sampling_logprobs(logits, torch.tensor([1.0]), top_k=0, top_p=0.6).exp()
+    assert torch.allclose(got, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+
+
+def test_completion_mask_stops_after_first_eos():
+    ids = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    assert torch.equal(completion_mask(ids, [2]), expected)
+
+
+def test_behaviour_logprobs_match_a_forward_pass(engine):
+    torch.manual_seed(0)
+    ids, mask = _prompts(engine, ["hi", "a longer prompt here"])
+    r = engine.generate(ids, mask, Sampling(max_new_tokens=10, temperature=0.7, group_size=3))
+    assert r.completion_ids.shape[0] == 6 and r.group_size == 3
+    with torch.no_grad():
+        logp, _ = completion_logprobs(
+            engine.model,
+            r.prompt_ids,
+            r.prompt_mask,
+            r.completion_ids,
+            r.completion_mask,
+            r.temperature,
+        )
+    diff = ((logp - r.behaviour_logp) * r.completion_mask).abs().max()
+    assert diff < 1e-4
+    assert torch.equal(r.truncated, r.completion_mask.sum(-1) == 10) or bool(r.truncated.any())
+
+
+def test_per_row_temperature_and_greedy(engine):
+    ids, mask = _prompts(engine, ["x", "yy"])
+    greedy = Sampling(max_new_tokens=6, temperature=0.0, group_size=2)
+    a = engine.generate(ids, mask, greedy)
+    b = engine.generate(ids, mask, greedy)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_ids[0], a.completion_ids[1])  # same prompt, greedy
+    temps = torch.tensor([0.5, 0.5, 2.0, 2.0])
+    r = engine.generate(ids, mask, Sampling(max_new_tokens=6, group_size=2), temperatures=temps)
+    assert torch.equal(r.temperature, temps)
+    with pytest.raises(ValueError, match="temperatures must be > 0"):
+        engine.generate(ids, mask, Sampling(group_size=2), temperatures=torch.zeros(4))
