@@ -32,8 +32,8 @@ def _trim(
 
 
 def _cache_kwarg(model: nn.Module) -> str:
-    """The forward argument that takes a KV cache: ``cache`` (transformers >= 5.2x) or older
-    ``past_key_values``; a peft wrapper is looked through to its base model."""
+    """The name of the KV cache, as forward argument and output field: ``cache`` (recent
+    transformers) or ``past_key_values`` (older); a peft wrapper is looked through."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
@@ -62,7 +62,8 @@ def _shared_prompt_logits(
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = out.past_key_values
+    name = _cache_kwarg(model)
+    cache = out[name]
     cache.reorder_cache(inverse)  # [u] -> [n] rows, differentiable (index_select)
     attn = torch.cat([prompt_mask, completion_mask], dim=1)  # [n, p + t]
     positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(

@@ -20,7 +20,6 @@ def test_quickstart_two_steps_evaluates_trains_and_exports(tmp_path, capsys):
             str(ROOT / "configs" / "quickstart.yaml"),
             f"--trainer.default_root_dir={tmp_path}",
             f"--trainer.logger.init_args.save_dir={tmp_path}",
-            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'on_exception'}",
             "--trainer.max_steps=2",
             "--data.init_args.val_size=8",
             "--data.init_args.prompts_per_step=4",
