@@ -6,6 +6,7 @@ public method a subclass may override. The math lives in ``losses``, ``advantage
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -30,6 +31,23 @@ from rlvr_lightning.update import PolicyUpdate
 log = logging.getLogger(__name__)
 
 
+def _plain_hparam(value: Any) -> Any:
+    """Hyperparameters as plain data, so checkpoints load with ``weights_only=True`` and
+    LightningCLI can re-read them: dataclasses become dicts, importable functions and classes
+    their import path; other callables (instances) their ``repr``, which is informative only.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, list | tuple):
+        return [_plain_hparam(v) for v in value]
+    if callable(value):
+        qualname = getattr(value, "__qualname__", "")
+        if qualname and "<" not in qualname:
+            return f"{value.__module__}.{qualname}"
+        return repr(value)
+    return value
+
+
 class RLVRModule(pl.LightningModule):
     """GRPO-style RL with verifiable rewards.
 
@@ -46,7 +64,8 @@ class RLVRModule(pl.LightningModule):
         clip_low: lower clip range; None = the preset's.
         clip_high: upper clip range; None = the preset's.
         dual_clip: dual-clip constant for negative advantages (None = off).
-        filter_zero_variance: drop groups with identical rewards from the update; None = preset.
+        filter_zero_variance: drop groups with identical rewards from the update (no refill);
+            None = the preset's (on for ``dapo``).
         reward_fns: reward functions ``fn(completions, **columns) -> list[float | None]``; by
             default ``boxed_accuracy`` and ``boxed_format``.
         reward_weights: one weight per reward function (default: all 1).
@@ -113,7 +132,9 @@ class RLVRModule(pl.LightningModule):
         engine: Literal["hf"] = "hf",
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["loss_fn", "reward_fns"])
+        self.save_hyperparameters()
+        for key, value in self.hparams.items():
+            self.hparams[key] = _plain_hparam(value)
         self.automatic_optimization = False
         preset = get_preset(algorithm)
         self.estimator = estimator or preset.estimator

@@ -27,7 +27,9 @@ class Preset:
         clip_high: upper clip range ``ε_high``.
         agg_mode: how token losses are reduced (``losses.agg_loss``).
         estimator: advantage estimator (``advantages.compute_advantages``).
-        filter_zero_variance: drop groups whose rewards are all equal from the update.
+        filter_zero_variance: drop groups whose rewards are all equal from the update. This is
+            the filtering half of DAPO's dynamic sampling; generating more prompts to refill the
+            batch is not done here.
         overlong_shaping: add DAPO's soft overlong penalty to the reward.
     """
 

@@ -124,3 +124,94 @@ def test_presets_train(algorithm):
     cli = build_cli(["--config", CONFIG, f"--model.init_args.algorithm={algorithm}"], run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step >= 1 or algorithm == "dapo"
+
+
+def test_several_epochs_and_minibatches_per_rollout_step_the_optimizer_each_time():
+    cli = build_cli(
+        [
+            "--config",
+            CONFIG,
+            "--model.init_args.epochs_per_rollout=2",
+            "--model.init_args.minibatches_per_rollout=2",
+            "--trainer.max_steps=4",
+        ],
+        run=False,
+    )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    # max_steps counts optimiser steps: 2 epochs x 2 mini-batches = 4 per rollout batch.
+    assert cli.trainer.global_step == 4
+    assert cli.model._rollout_step == 1
+
+
+def test_validation_reports_pass_at_k_when_sampling_several():
+    cli = build_cli(
+        [
+            "validate",
+            "--config",
+            CONFIG,
+            "--model.init_args.val_sampling.group_size=3",
+            "--model.init_args.val_sampling.temperature=1.0",
+        ]
+    )
+    assert "val/pass@3" in cli.trainer.callback_metrics
+
+
+def test_validate_from_a_checkpoint_keeps_the_configured_rewards(tmp_path):
+    ckpt = [
+        "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        "--trainer.callbacks.save_last=true",
+    ]
+    _fit(
+        tmp_path,
+        *ckpt,
+        "--model.init_args.reward_fns=[rlvr_lightning.testing.digit_fraction,"
+        "rlvr_lightning.rewards.boxed_format]",
+        "--model.init_args.reward_weights=[1.0,0.5]",
+    )
+    # LightningCLI re-reads the model's hyperparameters from the checkpoint; they must be complete.
+    cli = build_cli(
+        [
+            "validate",
+            "--config",
+            CONFIG,
+            f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}",
+            "--model.init_args.reward_fns=[rlvr_lightning.testing.digit_fraction,"
+            "rlvr_lightning.rewards.boxed_format]",
+            "--model.init_args.reward_weights=[1.0,0.5]",
+        ]
+    )
+    assert cli.model.rewards.names == ["digit_fraction", "boxed_format"]
+    assert "val/accuracy" in cli.trainer.callback_metrics
+
+
+def test_python_api_checkpoint_resumes_with_function_arguments(tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rlvr_lightning import RLVRDataModule, RLVRModule, Sampling
+    from rlvr_lightning.testing import digit_fraction
+
+    def run(steps, ckpt_path=None):
+        module = RLVRModule(
+            "tiny:0", reward_fns=[digit_fraction], sampling=Sampling(max_new_tokens=8, group_size=4)
+        )
+        data = RLVRDataModule(train_size=16, val_size=4, prompts_per_step=2)
+        trainer = pl.Trainer(
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+            default_root_dir=tmp_path,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        )
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return module, trainer
+
+    module, _ = run(1)
+    # Functions and dataclasses are stored as plain data: weights_only loading accepts them.
+    assert module.hparams["reward_fns"] == ["rlvr_lightning.testing.digit_fraction"]
+    assert module.hparams["sampling"]["group_size"] == 4
+    _, trainer = run(2, ckpt_path=tmp_path / "last.ckpt")
+    assert trainer.global_step == 2
