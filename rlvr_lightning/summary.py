@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlvr_lightning.offpolicy import on_policy_rows
 from rlvr_lightning.types import PromptBatch, Scored, StepOutput
 
 
@@ -19,18 +20,29 @@ def summarise_step(
     advantages: torch.Tensor,
     update_metrics: dict[str, float],
     lr: float,
+    trained: torch.Tensor | None = None,
 ) -> StepOutput:
-    """Group-level statistics and the scalar metrics logged every step."""
+    """Group-level statistics and the scalar metrics logged every step.
+
+    ``trained``: ``[B]`` bool, the groups the update used (None: all).
+    """
     g = scored.rollouts.group_size
     rewards = group_view(scored.rewards.detach().float().cpu(), g)  # [B, G]
     correct = group_view(scored.correct.cpu(), g)  # [B, G]
     lengths = group_view(scored.rollouts.lengths.cpu(), g)  # [B, G]
     variance = rewards.var(dim=1, unbiased=True) if g > 1 else torch.zeros(len(rewards))  # [B]
+    # Pass rates describe the policy: injected (off-policy) members do not count.
+    sampled = (
+        group_view(on_policy_rows(scored.rollouts).cpu(), g) if scored.rollouts.sources else None
+    )
+    policy_correct = correct if sampled is None else correct & sampled  # [B, G]
+    policy_rows = torch.full((len(correct),), g) if sampled is None else sampled.sum(1)  # [B]
     metrics = {
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "accuracy": float(correct.float().mean()),
         "zero_variance_frac": float((variance == 0).float().mean()),
+        "trained_group_frac": 1.0 if trained is None else float(trained.float().mean()),
         "adv_abs_mean": float(advantages.detach().abs().mean()),
         "completion_len": float(lengths.float().mean()),
         "truncated_frac": float(scored.rollouts.truncated.float().mean()),
@@ -47,7 +59,9 @@ def summarise_step(
         rewards=rewards,
         correct=correct,
         lengths=lengths,
-        pass_rate=correct.float().mean(dim=1),
+        pass_rate=policy_correct.sum(1) / policy_rows.clamp(min=1),
         group_variance=variance,
         metrics=metrics,
+        trained=None if trained is None else trained.detach().cpu(),
+        sampled=sampled,
     )

@@ -6,6 +6,7 @@ special tokens, and the model is a randomly initialised Llama of a few thousand 
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -68,3 +69,19 @@ def digit_fraction(completions: list[str], **_: object) -> list[float]:
     variance and nothing to learn; this reward varies between samples and makes updates happen.
     """
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def quiet_trainer(**overrides: object) -> pl.Trainer:
+    """A CPU ``Trainer`` for tests and benchmarks: no logger, checkpoints, progress bar, model
+    summary or validation unless ``overrides`` turn them on."""
+    kwargs: dict[str, object] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+    }
+    return pl.Trainer(**{**kwargs, **overrides})

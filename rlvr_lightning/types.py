@@ -95,6 +95,10 @@ class Rollouts:
     completions: list[str]  # [N] decoded completion text (special tokens removed)
     group_size: int
     sources: tuple[str, ...] = ()  # [N] source tag per row; empty means all SOURCE_POLICY
+    # [N, T] 1 on tokens that were not sampled from the policy (injected members, see
+    # ``offpolicy.py``); their ``behaviour_logp`` is the stored behaviour log-prob, or 0
+    # (probability 1) when the behaviour policy is unknown. None means all on-policy.
+    offpolicy_mask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -121,6 +125,10 @@ class Scored:
     per_function: dict[str, torch.Tensor]  # name -> [N]
     correct: torch.Tensor  # [N] bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # [N] bool, rows whose rewards form their group's baseline (mean/std); None = the module's
+    # ``offpolicy_baseline`` option decides. Set by reward-control callbacks.
+    baseline_mask: torch.Tensor | None = None
+    advantage_cap: torch.Tensor | None = None  # [N] upper bound on each row's advantage
 
 
 @dataclass(frozen=True)
@@ -139,3 +147,5 @@ class StepOutput:
     pass_rate: torch.Tensor  # [B] fraction of correct rows per group (k / G)
     group_variance: torch.Tensor  # [B] unbiased variance of rewards within each group
     metrics: dict[str, float] = field(default_factory=dict)
+    trained: torch.Tensor | None = None  # [B] bool, groups the update used (None: all)
+    sampled: torch.Tensor | None = None  # [B, G] bool, rows sampled from the policy (None: all)

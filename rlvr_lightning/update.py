@@ -9,7 +9,21 @@ import torch
 from torch import nn
 
 from rlvr_lightning.forward import completion_logprobs, group_microbatches
-from rlvr_lightning.losses import AggMode, PolicyLossFn, agg_loss, agg_units, kl_estimate
+from rlvr_lightning.losses import (
+    AggMode,
+    OffPolicyWeighting,
+    PolicyLossFn,
+    agg_loss,
+    agg_units,
+    kl_estimate,
+    mixed_policy_loss,
+)
+from rlvr_lightning.offpolicy import (
+    finish_source_metrics,
+    offpolicy_metric_terms,
+    source_loss_terms,
+    sources_of,
+)
 from rlvr_lightning.ops import masked_mean
 from rlvr_lightning.types import Rollouts
 
@@ -34,6 +48,9 @@ class PolicyUpdate:
     kl_estimator: str
     entropy_coef: float
     micro_batch_size: int
+    offpolicy_weighting: OffPolicyWeighting = "shaping"
+    offpolicy_gamma: float = 0.1
+    offpolicy_exploration: float = 0.5
 
     def accumulate(
         self,
@@ -61,7 +78,7 @@ class PolicyUpdate:
             loss_total += float(loss.detach()) * weight
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
-        return loss_total, sums
+        return loss_total, finish_source_metrics(sums, rollouts, advantages, rows)
 
     def _micro_loss(self, model, rollouts, advantages, idx, mask, reference_logprobs):
         inputs = (
@@ -75,15 +92,25 @@ class PolicyUpdate:
             model, *inputs, with_entropy=True, entropy_grad=self.entropy_coef > 0
         )  # [m, T]
         old_logp = rollouts.behaviour_logp[idx]  # [m, T]
-        loss_mat, metrics = self.loss_fn(
-            logp,
-            old_logp,
-            advantages[idx],
-            mask,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-        )
+        clip = {"clip_low": self.clip_low, "clip_high": self.clip_high, "dual_clip": self.dual_clip}
+        if rollouts.offpolicy_mask is None:
+            loss_mat, metrics = self.loss_fn(logp, old_logp, advantages[idx], mask, **clip)
+        else:
+            loss_mat, metrics = mixed_policy_loss(
+                self.loss_fn,
+                logp,
+                old_logp,
+                advantages[idx],
+                mask,
+                rollouts.offpolicy_mask[idx],
+                weighting=self.offpolicy_weighting,
+                gamma=self.offpolicy_gamma,
+                exploration=self.offpolicy_exploration,
+                **clip,
+            )
+            metrics = offpolicy_metric_terms(metrics, rollouts.offpolicy_mask[idx], mask)
+            tags = [sources_of(rollouts)[i] for i in idx.tolist()]
+            metrics.update(source_loss_terms(loss_mat, mask, tags, self.agg_mode, self.norm_len))
         loss = agg_loss(loss_mat, mask, self.agg_mode, norm_len=self.norm_len)
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["policy_loss"] = float(loss.detach())

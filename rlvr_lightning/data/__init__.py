@@ -1,6 +1,9 @@
 """Prompts for RLVR: procedural tasks, user datasets and the data module that streams them."""
 
+from rlvr_lightning.data.curriculum import MemoryBank, VarianceCurriculum, normalized_variance
 from rlvr_lightning.data.datamodule import RLVRDataModule
+from rlvr_lightning.data.mixture import SourceSpec
+from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import (
     Example,
     examples_from_rows,
@@ -12,17 +15,26 @@ from rlvr_lightning.data.sources import (
     read_rows,
     read_saved_dataset,
 )
+from rlvr_lightning.data.stats import Observation, PromptRecord, PromptStats
 from rlvr_lightning.data.tasks import (
     addition_examples,
     extract_final_answer,
     gym_examples,
     gym_verifier,
+    multiplication_examples,
     task_examples,
 )
 
 __all__ = [
     "Example",
+    "MemoryBank",
+    "Observation",
+    "PromptRecord",
+    "PromptReplay",
+    "PromptStats",
     "RLVRDataModule",
+    "SourceSpec",
+    "VarianceCurriculum",
     "addition_examples",
     "examples_from_rows",
     "extract_final_answer",
@@ -31,6 +43,8 @@ __all__ = [
     "holdout_split",
     "load_examples",
     "make_prompt_id",
+    "multiplication_examples",
+    "normalized_variance",
     "read_jsonl",
     "read_parquet",
     "read_rows",

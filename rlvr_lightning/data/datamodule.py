@@ -1,40 +1,48 @@
 """``RLVRDataModule``: an endless, resumable stream of training prompts and fixed validation.
 
-Training batches come from ``PromptStream``, an ``IterableDataset`` whose position lives in a
-``StreamCursor`` that the data module saves in checkpoints, so a resumed run sees exactly the
-prompt sequence an uninterrupted run would have seen.
+Each training step's prompts are composed when the step starts (``compose_step``): replays
+chosen by ``PromptReplay``, refills from the ``VarianceCurriculum`` memory bank, then fresh
+prompts in reshuffled epoch order. The per-prompt statistics, the replay heap, the bank and the
+stream position are saved in checkpoints, so a resumed run sees exactly the prompt sequence an
+uninterrupted run would have seen.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+import copy
+import random
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from rlvr_lightning.data.sources import (
-    Example,
-    drop_overlap,
-    holdout_split,
-    is_path_source,
-    load_examples,
+from rlvr_lightning.data.curriculum import VarianceCurriculum
+from rlvr_lightning.data.mixture import (
+    AnswerFormat,
+    SourceSpec,
+    apply_answer_format,
+    drop_long_prompts,
+    mixture_splits,
+    source_specs,
+    validate_source,
 )
-from rlvr_lightning.data.tasks import is_task_source, task_examples, validate_task
+from rlvr_lightning.data.replay import PromptReplay
+from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
+from rlvr_lightning.data.stats import PromptStats, gather_observations, observations
+from rlvr_lightning.data.stream import (
+    FreshPrompts,
+    PromptStream,
+    StepTicket,
+    StreamCursor,
+    rng_state,
+    set_rng_state,
+)
 from rlvr_lightning.types import PromptBatch, StepOutput
 
 Messages = list[dict[str, str]]
-Position = tuple[int, int]  # (epoch, examples of that epoch's permutation already consumed)
-
-MAX_IN_FLIGHT = 2
-"""Batches the stream may run ahead of training: the one being trained plus the one Lightning
-prefetches (it always prefetches one batch of an iterable without ``__len__``)."""
 
 
 def to_messages(prompt: str, system_prompt: str | None, instruction: str | None) -> Messages:
@@ -60,98 +68,6 @@ def collate_examples(
     )
 
 
-def epoch_order(num_examples: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order in which epoch ``epoch`` visits the examples."""
-    generator = torch.Generator().manual_seed(seed + epoch)
-    return torch.randperm(num_examples, generator=generator)  # [num_examples]
-
-
-@dataclass
-class StreamCursor:
-    """Where the training stream stands; shared by ``PromptStream`` and the data module.
-
-    ``index`` counts examples of epoch ``epoch``'s permutation consumed by all ranks together.
-    With ``track_in_flight``, ``in_flight`` holds the start of every batch handed out but not yet
-    acknowledged by a finished training step, so a checkpoint resumes at the first untrained one.
-    """
-
-    epoch: int = 0
-    index: int = 0
-    track_in_flight: bool = False
-    in_flight: deque[Position] = field(default_factory=deque)
-
-    def next_start(self, step: int, num_examples: int) -> Position:
-        """Start of the next batch; an epoch that cannot fill a whole step ends early."""
-        if self.index + step > num_examples:
-            self.epoch, self.index = self.epoch + 1, 0
-        return self.epoch, self.index
-
-    def advance(self, step: int) -> None:
-        if self.track_in_flight:
-            self.in_flight.append((self.epoch, self.index))
-            if len(self.in_flight) > MAX_IN_FLIGHT:
-                warnings.warn(
-                    "RLVRDataModule.on_step_output is not called after training steps, so a "
-                    "resumed run may repeat up to two batches; call it from training_step.",
-                    stacklevel=2,
-                )
-                self.in_flight.popleft()
-        self.index += step
-
-    def acknowledge(self) -> None:
-        """The oldest batch handed out has been trained on."""
-        if self.in_flight:
-            self.in_flight.popleft()
-
-    @property
-    def resume_point(self) -> Position:
-        return self.in_flight[0] if self.in_flight else (self.epoch, self.index)
-
-    def rewind(self) -> None:
-        """Forget batches handed out but never trained (a new iterator discards them)."""
-        self.epoch, self.index = self.resume_point
-        self.in_flight.clear()
-
-
-class PromptStream(IterableDataset):
-    """Endless training batches, reshuffled every epoch, continuing from a ``StreamCursor``.
-
-    Epoch ``e`` visits the examples in ``epoch_order(n, seed, e)``. Each step takes the next
-    ``prompts_per_step * world_size`` examples of it and rank ``r`` keeps slice ``r``, so ranks
-    see disjoint prompts; a step never straddles two epochs, so a batch never repeats a prompt.
-    """
-
-    def __init__(
-        self,
-        examples: Sequence[Example],
-        make_batch: Callable[[list[Example]], PromptBatch],
-        prompts_per_step: int,
-        seed: int,
-        cursor: StreamCursor,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        self.examples, self.make_batch, self.cursor = examples, make_batch, cursor
-        self.prompts_per_step, self.seed = prompts_per_step, seed
-        self.rank, self.world_size = rank, world_size
-
-    def __iter__(self) -> Iterator[PromptBatch]:
-        self.cursor.rewind()
-        step = self.prompts_per_step * self.world_size
-        order, order_epoch = torch.empty(0, dtype=torch.long), -1  # [n] once filled
-        while True:
-            epoch, index = self.cursor.next_start(step, len(self.examples))
-            if epoch != order_epoch:
-                order, order_epoch = epoch_order(len(self.examples), self.seed, epoch), epoch
-            start = index + self.rank * self.prompts_per_step
-            ids = order[start : start + self.prompts_per_step].tolist()
-            picked = [self.examples[i] for i in ids]
-            # Count the batch before yielding it: the consumer owns it from here on, and the
-            # generator may never be resumed.
-            self.cursor.advance(step)
-            yield self.make_batch(picked)
-
-
 def _keep(batch: PromptBatch) -> PromptBatch:
     """Collate function of ``batch_size=None`` loaders: the dataset already yields batches."""
     return batch
@@ -163,47 +79,21 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
-def _validate_args(
-    source: str,
-    task_config: Mapping[str, Any] | None,
-    val_source: str | None,
-    columns: Mapping[str, str] | None,
-) -> None:
-    """Raise a ValueError that says how to fix an inconsistent choice of data."""
-    if is_task_source(source) or not is_path_source(source):
-        validate_task(source, task_config)  # also rejects unknown task names
-    elif task_config:
-        raise ValueError(
-            f"task_config applies to procedural tasks, but source {source!r} is a file; remove "
-            "task_config or set source to a task (e.g. addition, gym:chain_sum)."
-        )
-    if val_source is not None and not is_path_source(val_source):
-        raise ValueError(
-            f"val_source must be a .jsonl/.parquet file or a saved datasets folder, got "
-            f"{val_source!r}; leave it unset to hold out val_size examples of source."
-        )
-    if columns is not None and is_task_source(source) and val_source is None:
-        raise ValueError(
-            "columns maps the columns of data files, but source is a procedural task and there "
-            "is no val_source; remove columns."
-        )
-
-
 class RLVRDataModule(pl.LightningDataModule):
     """Prompts for RLVR from built-in tasks, reasoning-gym tasks or dataset files.
 
     Training is an endless stream of ``PromptBatch``es (the Trainer's ``max_steps`` decides the
     length; validate every N steps with ``val_check_interval: N`` and
-    ``check_val_every_n_epoch: null``). Its position is saved in checkpoints, so a resumed run
-    continues with the same prompt sequence. The user message is the question, then a blank
-    line, then ``instruction``.
+    ``check_val_every_n_epoch: null``). The module reports every step through
+    ``on_step_output``; that fills ``stats`` (per-prompt history, gathered across ranks), which
+    ``replay`` and ``curriculum`` use to compose later steps. All of it is saved in checkpoints.
 
     Args:
-        source: ``addition``, ``gym:<name>`` (a reasoning-gym dataset, e.g. ``gym:chain_sum``),
-            or a path to a ``.jsonl``/``.parquet`` file or a folder written by
-            ``datasets.Dataset.save_to_disk``.
-        task_config: keyword arguments of the task generator (``addition``: ``digits``;
-            ``gym:<name>``: fields of the reasoning-gym config, except ``size`` and ``seed``).
+        source: ``addition``, ``multiplication``, ``gym:<name>`` (a reasoning-gym dataset, e.g.
+            ``gym:chain_sum``), a path to a ``.jsonl``/``.parquet`` file or a folder written by
+            ``datasets.Dataset.save_to_disk``; or a list of ``SourceSpec`` mixed by weight.
+        task_config: keyword arguments of the task generator (``addition``/``multiplication``:
+            ``digits``; ``gym:<name>``: fields of the reasoning-gym config except size and seed).
         val_source: a validation file or folder; when unset, validation is a held-out split of
             ``source`` that shares no question with training.
         train_size: training problems generated by a procedural task. File sources use every
@@ -213,25 +103,37 @@ class RLVRDataModule(pl.LightningDataModule):
         columns: ``our name -> file column``, e.g. ``{prompt: question, answer: answer,
             solution: solution}``; default ``{prompt: prompt, answer: answer}``. Other columns
             pass through to reward functions under their own names.
+        answer_format: ``plain``, ``gsm8k`` (answer after ``####``) or ``boxed`` (last
+            ``\\boxed{}`` of the solution column); see ``SourceSpec``.
+        max_prompt_tokens: prompts longer than this (under the module's tokenizer, without
+            the chat template) are skipped with a warning that counts them; None keeps all.
         system_prompt: content of a system message placed before every prompt.
         instruction: text appended to every question after a blank line; ``null`` for none.
         prompts_per_step: prompts per training step on each device.
         val_prompts_per_batch: prompts per validation batch.
-        seed: seed of task generation, the validation split and the per-epoch shuffle.
+        replay: online prompt replay (spec §1); None disables it.
+        curriculum: variance-based curriculum (spec §2); None disables it.
+        stats_history: recent pass rates and outcomes kept per prompt.
+        seed: seed of task generation, the validation split, the shuffle and step composition.
     """
 
     def __init__(
         self,
-        source: str = "addition",
+        source: str | list[SourceSpec] = "addition",
         task_config: dict[str, Any] | None = None,
         val_source: str | None = None,
         train_size: int = 1000,
         val_size: int = 50,
         columns: dict[str, str] | None = None,
+        answer_format: AnswerFormat = "plain",
+        max_prompt_tokens: int | None = None,
         system_prompt: str | None = None,
         instruction: str | None = "Put the final answer in \\boxed{}.",
         prompts_per_step: int = 8,
         val_prompts_per_batch: int = 64,
+        replay: PromptReplay | None = None,
+        curriculum: VarianceCurriculum | None = None,
+        stats_history: int = 8,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -242,17 +144,29 @@ class RLVRDataModule(pl.LightningDataModule):
         )
         if val_size < 0:
             raise ValueError(f"val_size must be >= 0, got {val_size}.")
-        _validate_args(source, task_config, val_source, columns)
-        self.save_hyperparameters()
-        self.source, self.task_config, self.val_source = source, task_config, val_source
-        self.train_size, self.val_size, self.columns = train_size, val_size, columns
+        self.specs = source_specs(source, task_config, columns, answer_format)
+        for spec in self.specs:
+            validate_source(spec.source, spec.task_config, val_source, spec.columns)
+        self.save_hyperparameters(ignore=["source", "replay", "curriculum"])
+        # Plain data only, so checkpoints load with weights_only=True and cards can show them.
+        self.hparams["source"] = (
+            source if isinstance(source, str) else [vars(s) for s in self.specs]
+        )
+        for name, strategy in (("replay", replay), ("curriculum", curriculum)):
+            self.hparams[name] = None if strategy is None else dict(strategy.config)
+        self.val_source, self.train_size, self.val_size = val_source, train_size, val_size
+        self.max_prompt_tokens = max_prompt_tokens
         self.system_prompt, self.instruction = system_prompt, instruction
         self.prompts_per_step, self.val_prompts_per_batch = prompts_per_step, val_prompts_per_batch
-        self.seed = seed
+        self.replay, self.curriculum, self.seed = replay, curriculum, seed
+        self.stats = PromptStats(stats_history)
         self.train_examples: list[Example] = []
         self.val_examples: list[Example] = []
         self.steps = 0  # training steps reported through on_step_output
         self._cursor = StreamCursor()
+        self._rng = random.Random(seed)
+        self._served: set[str] = set()  # prompts of the current step served as replays
+        self._pending: dict[str, Any] | None = None  # state before the untrained current step
         self._restored_num_train: int | None = None
 
     # --- data ----------------------------------------------------------------------------
@@ -262,69 +176,117 @@ class RLVRDataModule(pl.LightningDataModule):
         # Every stage needs both splits: validation is defined as what training does not see.
         if not self.train_examples:
             self.train_examples, self.val_examples = self._build_splits()
+            self._by_id = {e.prompt_id: e for e in self.train_examples}
+            self._fresh = FreshPrompts(self.train_examples, self.seed, self._cursor)
 
     def _build_splits(self) -> tuple[list[Example], list[Example]]:
         held_out = 0 if self.val_source is not None else self.val_size
-        if is_task_source(self.source):
-            train, val = task_examples(
-                self.source, self.task_config, self.train_size, held_out, self.seed
-            )
-        else:
-            train, val = load_examples(self.source, self.columns), []
-            if held_out:
-                train, val = holdout_split(train, held_out, self.seed)
+        train, val = mixture_splits(self.specs, self.train_size, held_out, self.seed)
         if self.val_source is not None:
-            val = drop_overlap(load_examples(self.val_source, self.columns), train, "validation")
+            first = self.specs[0]
+            loaded = load_examples(self.val_source, first.columns)
+            loaded = apply_answer_format(loaded, first.answer_format, self.val_source)
+            val = drop_overlap(loaded, train, "validation")
+        if self.max_prompt_tokens is not None:
+            count = self._token_counter()
+            train = drop_long_prompts(train, count, self.max_prompt_tokens, "training")
+            val = drop_long_prompts(val, count, self.max_prompt_tokens, "validation")
         return train, val
 
-    def _make_batch(self) -> Callable[[list[Example]], PromptBatch]:
-        return functools.partial(
-            collate_examples, system_prompt=self.system_prompt, instruction=self.instruction
-        )
+    def _token_counter(self) -> Any:
+        tokenizer = getattr(getattr(self.trainer, "lightning_module", None), "tokenizer", None)
+        tokenizer = getattr(self, "tokenizer", None) or tokenizer
+        if tokenizer is None:
+            raise ValueError(
+                "max_prompt_tokens needs a tokenizer: use the data module with an RLVRModule in "
+                "a Trainer, or set `datamodule.tokenizer` before setup."
+            )
+        return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:
             return 0, 1
         return self.trainer.global_rank, self.trainer.world_size
 
+    def _collate(self, examples: Sequence[Example]) -> PromptBatch:
+        return collate_examples(examples, self.system_prompt, self.instruction)
+
+    # --- step composition ----------------------------------------------------------------
+
+    def compose_step(self) -> PromptBatch:
+        """This rank's prompts for the next step: replays, bank refills, then fresh prompts.
+
+        Every rank composes the same global step of ``prompts_per_step * world_size`` prompts
+        (their statistics are identical) in a seeded order, and keeps its own slice.
+        """
+        rank, world = self._rank_and_world()
+        total = self.prompts_per_step * world
+        replays, banked = [], []
+        if self.replay is not None:
+            replays = self.replay.select(self.steps, self.replay.budget(total), ())
+        if self.curriculum is not None:
+            banked = self.curriculum.fill(total, set(replays))
+        served = replays + banked
+        fresh = self._fresh.take(total - len(served), set(served))
+        picked = [self._by_id[pid] for pid in served] + fresh
+        self._rng.shuffle(picked)  # replays spread over ranks
+        self._served = set(served)
+        mine = picked[rank * self.prompts_per_step : (rank + 1) * self.prompts_per_step]
+        return self._collate(mine)
+
+    def draw_prompts(self, n: int, exclude: Sequence[str] = ()) -> PromptBatch:
+        """``n`` more fresh prompts for this rank within the current step (dynamic sampling).
+
+        Every rank must call it with the same ``n``: the draw is global, like ``compose_step``.
+        """
+        rank, world = self._rank_and_world()
+        fresh = self._fresh.take(n * world, set(exclude) | self._served)
+        return self._collate(fresh[rank * n : (rank + 1) * n])
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Lightning calls this when the step starts, after it has prefetched the next ticket.
+        if not isinstance(batch, StepTicket):
+            return batch
+        # Until on_step_output reports this step, a checkpoint (e.g. on an exception) saves
+        # the state before it, so a resumed run trains this step's prompts again.
+        self._pending = self._composition_state()
+        return self.compose_step()
+
     @override
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
         self._check_resume()
-        rank, world_size = self._rank_and_world()
+        _, world_size = self._rank_and_world()
         if len(self.train_examples) < self.prompts_per_step * world_size:
             raise ValueError(
                 f"{len(self.train_examples)} training examples cannot fill one step of "
                 f"prompts_per_step={self.prompts_per_step} x {world_size} devices; lower "
                 "prompts_per_step or add training data (train_size for tasks)."
             )
-        # Under a Trainer, Lightning prefetches one batch, so the resume point is tracked by
-        # acknowledgements (on_step_output) instead of by what the stream has handed out.
-        self._cursor.track_in_flight = self.trainer is not None
-        stream = PromptStream(
-            self.train_examples,
-            self._make_batch(),
-            self.prompts_per_step,
-            self.seed,
-            self._cursor,
-            rank=rank,
-            world_size=world_size,
-        )
+        stream = PromptStream(self.compose_step, lazy=isinstance(self.trainer, pl.Trainer))
         # An IterableDataset, not a map-style one: under DDP Lightning would replace a map-style
-        # dataset's sampler with a DistributedSampler and silently re-split the prompts. The
+        # dataset's sampler with a DistributedSampler and silently re-split the groups. The
         # stream shards by rank itself, and being endless it lets max_steps decide the length.
-        return DataLoader(stream, batch_size=None, num_workers=0, collate_fn=_keep)
+        return DataLoader(stream, batch_size=None, collate_fn=_keep, generator=self._loader_rng())
 
     @override
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
-        make_batch, size = self._make_batch(), self.val_prompts_per_batch
+        size = self.val_prompts_per_batch
         batches = [
-            make_batch(self.val_examples[i : i + size])
+            self._collate(self.val_examples[i : i + size])
             for i in range(0, len(self.val_examples), size)
         ]
         # A list is a map-style dataset: under DDP Lightning shards it across ranks.
-        return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=_keep)
+        return DataLoader(
+            batches, batch_size=None, shuffle=False, collate_fn=_keep, generator=self._loader_rng()
+        )
+
+    def _loader_rng(self) -> torch.Generator:
+        # Creating a DataLoader iterator draws a seed; from its own generator it leaves the
+        # global RNG (which sampling uses) alone, so resumes and validation don't shift it.
+        return torch.Generator().manual_seed(self.seed)
 
     @override
     def test_dataloader(self) -> DataLoader:
@@ -334,24 +296,51 @@ class RLVRDataModule(pl.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
-    @override
+    # --- what the module reports -----------------------------------------------------------
+
+    def train_group_mask(self, correct: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor | None:
+        """``[B]`` bool: groups of ``[B, G]`` results allowed to train (None: all)."""
+        if self.curriculum is None:
+            return None
+        return self.curriculum.group_mask(self.steps, correct.cpu(), rewards.cpu())
+
     def on_step_output(self, output: StepOutput) -> None:
         """Hook the module calls after every training step with that step's ``StepOutput``.
 
-        It marks the step's batch as trained, which is what a checkpoint resumes after. Later
-        work fills per-prompt statistics (pass rates, group variance) from ``output`` here.
+        Records the step in ``stats`` (gathered across ranks) and feeds replay and curriculum.
         """
+        observed = gather_observations(observations(output, self._served))
+        self.stats.record(self.steps, observed)
+        if self.replay is not None:
+            self.replay.observe(self.steps, observed)
+        if self.curriculum is not None:
+            scores = [self.curriculum.observation_score(o) for o in observed]
+            trained = [o.trained for o in observed]
+            self.curriculum.observe(self.steps, [o.prompt_id for o in observed], scores, trained)
         self.steps += 1
-        self._cursor.acknowledge()
+        self._pending, self._served = None, set()
+
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def _composition_state(self) -> dict[str, Any]:
+        """What composing a step changes; restored when a step was composed but not trained."""
+        return copy.deepcopy(
+            {
+                "epoch": self._cursor.epoch,
+                "index": self._cursor.index,
+                "rng": rng_state(self._rng),
+                "replay": None if self.replay is None else self.replay.state_dict(),
+                "curriculum": None if self.curriculum is None else self.curriculum.state_dict(),
+            }
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        epoch, index = self._cursor.resume_point
         return {
+            **(self._pending or self._composition_state()),
             "seed": self.seed,
-            "epoch": epoch,
-            "index": index,
             "steps": self.steps,
+            "stats": self.stats.state_dict(),
             "num_train_examples": len(self.train_examples) if self.train_examples else None,
         }
 
@@ -362,9 +351,20 @@ class RLVRDataModule(pl.LightningDataModule):
                 f"The checkpoint's prompt stream used seed={state_dict['seed']}, this run has "
                 f"seed={self.seed}; set seed: {state_dict['seed']} to resume, or start a new run."
             )
+        for name in ("replay", "curriculum"):
+            if (state_dict.get(name) is None) != (getattr(self, name) is None):
+                raise ValueError(
+                    f"The checkpoint was written {'with' if state_dict.get(name) else 'without'} "
+                    f"data.{name}; configure it the same way to resume exactly."
+                )
         self._cursor.epoch, self._cursor.index = state_dict["epoch"], state_dict["index"]
-        self._cursor.in_flight.clear()
-        self.steps = state_dict["steps"]
+        set_rng_state(self._rng, state_dict["rng"])
+        if self.replay is not None:
+            self.replay.load_state_dict(state_dict["replay"])
+        if self.curriculum is not None:
+            self.curriculum.load_state_dict(state_dict["curriculum"])
+        self.stats.load_state_dict(state_dict["stats"])
+        self.steps, self._pending = state_dict["steps"], None
         self._restored_num_train = state_dict["num_train_examples"]
         if self.train_examples:
             self._check_resume()

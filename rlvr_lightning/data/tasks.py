@@ -1,4 +1,4 @@
-"""Procedural tasks, generated offline from a seed: the built-in ``addition`` and reasoning-gym.
+"""Procedural tasks, generated offline from a seed: built-in arithmetic and reasoning-gym.
 
 A task yields disjoint train and validation splits of ``Example``s. reasoning-gym is imported
 only when a ``gym:<name>`` task is used, because it takes about a second to load.
@@ -15,7 +15,7 @@ from typing import Any
 
 from rlvr_lightning.data.sources import Example, make_prompt_id
 
-BUILTIN_TASKS = ("addition",)
+BUILTIN_TASKS = ("addition", "multiplication")
 GYM_PREFIX = "gym:"
 GYM_VAL_SEED_OFFSET = 1_000_000_007
 """Validation seed offset for reasoning-gym tasks.
@@ -37,11 +37,11 @@ def is_task_source(source: str) -> bool:
 def validate_task(source: str, config: Mapping[str, Any] | None) -> None:
     """Raise a ValueError that says how to fix an unknown task or a bad ``task_config``."""
     config = dict(config or {})
-    if source == "addition":
+    if source in BUILTIN_TASKS:
         unknown = sorted(set(config) - set(_ADDITION_CONFIG))
         if unknown:
             raise ValueError(
-                f"Unknown task_config keys {unknown} for addition; valid: {list(_ADDITION_CONFIG)}."
+                f"Unknown task_config keys {unknown} for {source}; valid: {list(_ADDITION_CONFIG)}."
             )
         _check_digits(config.get("digits", 1))
     elif source.startswith(GYM_PREFIX):
@@ -62,6 +62,10 @@ def task_examples(
     config = dict(config or {})
     if source == "addition":
         return addition_examples(**config, train_size=train_size, val_size=val_size, seed=seed)
+    if source == "multiplication":
+        return multiplication_examples(
+            **config, train_size=train_size, val_size=val_size, seed=seed
+        )
     name = source.removeprefix(GYM_PREFIX)
     return gym_examples(name, config, train_size=train_size, val_size=val_size, seed=seed)
 
@@ -75,10 +79,23 @@ def _check_digits(digits: object) -> None:
         raise ValueError(f"task_config.digits must be an int in [1, 9], got {digits!r}.")
 
 
-def _addition_example(a: int, b: int) -> Example:
-    prompt, answer = f"What is {a} + {b}?", str(a + b)
-    columns = {"answer": answer, "task": "addition"}
-    return Example(make_prompt_id("addition", prompt, answer), prompt, columns)
+def _arithmetic_example(a: int, b: int, op: str) -> Example:
+    task = "addition" if op == "+" else "multiplication"
+    prompt, answer = f"What is {a} {op} {b}?", str(a + b if op == "+" else a * b)
+    columns = {"answer": answer, "task": task}
+    return Example(make_prompt_id(task, prompt, answer), prompt, columns)
+
+
+def _operand_pairs(digits: int, train_size: int, val_size: int, seed: int) -> list[tuple[int, int]]:
+    _check_digits(digits)
+    base = 10**digits
+    if val_size >= base * base:
+        raise ValueError(
+            f"val_size={val_size} leaves no training problems out of {base * base} with "
+            f"digits={digits}; lower val_size or raise task_config.digits."
+        )
+    codes = random.Random(seed).sample(range(base * base), min(base * base, val_size + train_size))
+    return [(code // base, code % base) for code in codes]
 
 
 def addition_examples(
@@ -96,15 +113,21 @@ def addition_examples(
         val_size: validation problems.
         seed: seed of the draw.
     """
-    _check_digits(digits)
-    base = 10**digits
-    if val_size >= base * base:
-        raise ValueError(
-            f"val_size={val_size} leaves no training problems out of {base * base} for "
-            f"addition with digits={digits}; lower val_size or raise task_config.digits."
-        )
-    codes = random.Random(seed).sample(range(base * base), min(base * base, val_size + train_size))
-    examples = [_addition_example(code // base, code % base) for code in codes]
+    pairs = _operand_pairs(digits, train_size, val_size, seed)
+    examples = [_arithmetic_example(a, b, "+") for a, b in pairs]
+    return examples[val_size:], examples[:val_size]
+
+
+def multiplication_examples(
+    digits: int = 1, *, train_size: int, val_size: int, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """``"What is a * b?"`` problems, drawn and split like ``addition_examples``.
+
+    A second built-in task with another difficulty profile: the embedded SmolLM2-135M solves
+    one-digit products less often than sums, and two-digit products rarely.
+    """
+    pairs = _operand_pairs(digits, train_size, val_size, seed)
+    examples = [_arithmetic_example(a, b, "*") for a, b in pairs]
     return examples[val_size:], examples[:val_size]
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from rlvr_lightning.types import Rollouts, Sampling
 
@@ -32,3 +34,27 @@ class RolloutEngine(Protocol):
 
     @property
     def shares_policy(self) -> bool: ...
+
+
+@contextmanager
+def policy_weights(model: nn.Module) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+    """The policy's weights under Hugging Face names, for an engine's ``load_weights``.
+
+    A LoRA (peft) policy is merged for the duration of the block: its base layers then hold
+    ``W + BA`` and are yielded under the base model's names, adapter tensors left out; the
+    adapter is unmerged on exit, so training continues on the unmerged weights. Tied weights
+    are yielded under each of their names (``lm_head.weight`` too): vLLM's in-place reload
+    expects every module's weights and would otherwise keep a stale output head.
+    """
+    if not hasattr(model, "get_base_model"):
+        yield ((name, p.detach()) for name, p in model.named_parameters(remove_duplicate=False))
+        return
+    model.merge_adapter()
+    try:
+        yield (
+            (name.replace(".base_layer.", "."), p.detach())
+            for name, p in model.get_base_model().named_parameters(remove_duplicate=False)
+            if "lora_" not in name
+        )
+    finally:
+        model.unmerge_adapter()

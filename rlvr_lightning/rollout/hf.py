@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from rlvr_lightning.forward import cache_kwarg
 from rlvr_lightning.types import Rollouts, Sampling
 
 
@@ -34,31 +35,66 @@ def sampling_logprobs(
     return torch.log_softmax(scores, dim=-1)
 
 
-class _SampleAndRecord(LogitsProcessor):
-    """Applies our sampling transform and records the log-prob of each sampled token.
+def sample_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``[N, V]`` log-probs by inverse-CDF sampling; ``[N]`` ids.
 
-    Generation calls the processor once per new token with the ids so far, so the token sampled
-    at call ``t`` is visible at call ``t + 1``; only one ``[N, V]`` tensor is kept, never the
-    full history of scores.
+    One uniform per row and a cumulative sum replace ``torch.multinomial``, whose exponential
+    draw over all ``N * V`` entries was ~13% of generation time on CPU (measured on SmolLM2-135M,
+    32 rows). Tokens of probability 0 (cut by top-k / top-p) are never drawn: the CDF is flat
+    there and ``searchsorted(..., right=True)`` returns the first index whose CDF exceeds ``u``.
+    """
+    cdf = logp.exp().cumsum(-1)  # [N, V]
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # [N, 1]
+    picked = torch.searchsorted(cdf, u, right=True).squeeze(1)  # [N]
+    return picked.clamp_(max=cdf.shape[-1] - 1)
+
+
+class _SampleAndRecord(LogitsProcessor):
+    """Samples each next token itself and records its log-prob; generation then runs greedy.
+
+    The processor applies our sampling transform, draws the token (or takes the argmax when
+    greedy) and returns scores that are 0 at that token and ``-inf`` elsewhere, so the greedy
+    step of ``generate`` picks exactly it. Only the ``[N]`` log-prob of each drawn token is
+    kept, never the history of ``[N, V]`` scores.
     """
 
-    def __init__(self, temperature: torch.Tensor, top_k: int, top_p: float) -> None:
+    def __init__(self, temperature: torch.Tensor, top_k: int, top_p: float, greedy: bool) -> None:
         self.temperature = temperature  # [N]
-        self.top_k, self.top_p = top_k, top_p
+        self.top_k, self.top_p, self.greedy = top_k, top_p, greedy
         self.recorded: list[torch.Tensor] = []  # T x [N]
-        self._last: torch.Tensor | None = None  # [N, V]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._last is not None:
-            self.recorded.append(self._last.gather(1, input_ids[:, -1:]).squeeze(1))
-        self._last = sampling_logprobs(scores, self.temperature, self.top_k, self.top_p)
-        return self._last
+        logp = sampling_logprobs(scores, self.temperature, self.top_k, self.top_p)  # [N, V]
+        token = logp.argmax(-1) if self.greedy else sample_from_logprobs(logp)  # [N]
+        self.recorded.append(logp.gather(1, token[:, None]).squeeze(1))
+        forced = torch.full_like(logp, float("-inf"))
+        return forced.scatter_(1, token[:, None], 0.0)
 
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """Record the final token and return the log-probs ``[N, T]``."""
-        assert self._last is not None
-        self.recorded.append(self._last.gather(1, last_tokens[:, None]).squeeze(1))
+    def logprobs(self) -> torch.Tensor:
+        """The recorded log-probs ``[N, T]``."""
         return torch.stack(self.recorded, dim=1)
+
+
+def shared_prompt_cache(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, g: int):
+    """KV cache of all but the last token of each of the ``B`` prompts, repeated ``G`` times.
+
+    The ``G`` rows of a group share their prompt, so it is encoded once instead of ``G`` times;
+    ``generate`` then starts from this cache and runs only each prompt's last token.
+
+    Args:
+        ids: ``[B, P]`` left-padded prompts (``P >= 2``); mask: ``[B, P]``.
+    """
+    head, head_mask = ids[:, :-1], mask[:, :-1]  # [B, P - 1]
+    out = model(
+        input_ids=head,
+        attention_mask=head_mask,
+        position_ids=(head_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = out[cache_kwarg(model)]
+    cache.batch_repeat_interleave(g)  # [B] -> [B * G] rows, group rows consecutive
+    return cache
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -74,11 +110,19 @@ class HFEngine:
     Args:
         model: the policy (shared; weights are always current, so ``load_weights`` is a no-op).
         tokenizer: its tokenizer; EOS and pad ids come from it.
+        share_prompts: encode each prompt once and repeat its KV cache for the ``G`` rows of
+            its group (see ``shared_prompt_cache``), instead of encoding it ``G`` times.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        share_prompts: bool = True,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.share_prompts = share_prompts
         eos = model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({i for i in [*eos_ids, tokenizer.eos_token_id] if i is not None})
@@ -108,10 +152,13 @@ class HFEngine:
         if not greedy and bool((temperatures <= 0).any()):
             raise ValueError("Per-row temperatures must be > 0; use temperature=0 for greedy.")
         recorder = _SampleAndRecord(
-            temperatures, 0 if greedy else sampling.top_k, 1.0 if greedy else sampling.top_p
+            temperatures,
+            0 if greedy else sampling.top_k,
+            1.0 if greedy else sampling.top_p,
+            greedy,
         )
         config = GenerationConfig(
-            do_sample=not greedy,
+            do_sample=False,  # the processor samples; see _SampleAndRecord
             max_new_tokens=sampling.max_new_tokens,
             eos_token_id=self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -122,16 +169,22 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            extra = {}
+            if self.share_prompts and g > 1 and prompt_ids.shape[1] > 1:
+                extra[cache_kwarg(self.model)] = shared_prompt_cache(
+                    self.model, prompt_ids, prompt_mask, g
+                )
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
+                **extra,
             )
         finally:
             self.model.train(was_training)
         completion_ids = out[:, ids.shape[1] :]  # [N, T]
-        logp = recorder.finish(completion_ids[:, -1])  # [N, T]
+        logp = recorder.logprobs()  # [N, T]
         cmask = completion_mask(completion_ids, self.eos_ids)  # [N, T]
         ends_with_eos = torch.isin(completion_ids, torch.tensor(self.eos_ids, device=ids.device))
         texts = self.tokenizer.batch_decode(

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlvr_lightning.cli import main
@@ -32,6 +33,11 @@ def test_quickstart_two_steps_evaluates_trains_and_exports(tmp_path, capsys):
     assert "Validation before -> after training" in out
     assert "val/accuracy" in out
     folder = tmp_path / "model"
+    card = ModelCard.load(folder / "README.md")  # the rendered model card
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert {"rlvr", "grpo"} <= set(card.data.tags)
+    assert {r.metric_name for r in card.data.eval_results} >= {"val/accuracy", "val/reward"}
+    assert (folder / "reward_curve.png").exists() and str(tmp_path) not in card.content
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt = tokenizer.apply_chat_template(

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.data.stream import StepTicket
+from rlvr_lightning.testing import quiet_trainer
 from rlvr_lightning.types import PromptBatch, StepOutput
 
 # addition with digits=1 and val_size=50 leaves 50 training problems: 6 steps of 8 per epoch.
@@ -73,20 +75,30 @@ def test_resume_from_state_dict_continues_the_same_sequence():
     assert take(resumed, 5) == uninterrupted[9:]
 
 
-def test_under_a_trainer_the_prefetched_batch_is_not_counted():
+def test_under_a_trainer_batches_are_composed_when_the_step_starts():
     uninterrupted = take(make_dm(), 6)
     dm = make_dm()
-    dm.trainer = SimpleNamespace(global_rank=0, world_size=1)
+    dm.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     stream = iter(dm.train_dataloader())
-    # Lightning holds one batch ahead: it fetches batch i + 1 before training batch i.
-    ahead = next(stream)
-    for _ in range(3):
-        batch, ahead = ahead, next(stream)
+    tickets = [next(stream) for _ in range(3)]  # prefetching tickets composes nothing
+    assert all(isinstance(t, StepTicket) for t in tickets)
+    for ticket in tickets[:2]:
+        batch = dm.on_before_batch_transfer(ticket, 0)
         dm.on_step_output(step_output(batch))
     resumed = make_dm()
     resumed.load_state_dict(dm.state_dict())
-    assert take(resumed, 3) == uninterrupted[3:]
-    assert resumed.steps == 3
+    assert take(resumed, 4) == uninterrupted[2:]
+    assert resumed.steps == 2
+
+
+def test_a_composed_but_untrained_step_is_not_saved_as_consumed():
+    uninterrupted = take(make_dm(), 3)
+    dm = make_dm()
+    dm.on_step_output(step_output(dm.on_before_batch_transfer(StepTicket(), 0)))
+    dm.on_before_batch_transfer(StepTicket(), 0)  # composed, then the step crashed
+    resumed = make_dm()
+    resumed.load_state_dict(dm.state_dict())
+    assert take(resumed, 2) == uninterrupted[1:]
 
 
 def test_resume_rejects_another_seed_or_other_data():
@@ -154,7 +166,7 @@ def test_signature_is_the_cli_config():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"source": "additon"}, r"Unknown task 'additon'.*addition, 'gym:<name>'"),
+        ({"source": "additon"}, r"Unknown task 'additon'.*addition, multiplication, 'gym:<name>'"),
         ({"prompts_per_step": 0}, "prompts_per_step must be >= 1"),
         ({"val_size": -1}, "val_size must be >= 0"),
         ({"source": "d.jsonl", "task_config": {"digits": 2}}, "task_config applies to"),
@@ -194,11 +206,7 @@ class _RecordingModule(pl.LightningModule):
 
 
 def _fit(max_steps: int, ckpt_path=None) -> tuple[pl.Trainer, _RecordingModule]:
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0,
-    )  # fmt: skip
+    trainer = quiet_trainer(max_steps=max_steps)
     module = _RecordingModule()
     trainer.fit(module, datamodule=RLVRDataModule(prompts_per_step=4), ckpt_path=ckpt_path)
     return trainer, module

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from rlvr_lightning.forward import completion_logprobs
-from rlvr_lightning.rollout.hf import HFEngine, completion_mask, sampling_logprobs
+from rlvr_lightning.rollout.hf import (
+    HFEngine,
+    completion_mask,
+    sample_from_logprobs,
+    sampling_logprobs,
+)
 from rlvr_lightning.testing import tiny_policy
 from rlvr_lightning.types import Sampling
 
@@ -75,3 +80,24 @@ def test_per_row_temperature_and_greedy(engine):
     assert torch.equal(r.temperature, temps)
     with pytest.raises(ValueError, match="temperatures must be > 0"):
         engine.generate(ids, mask, Sampling(group_size=2), temperatures=torch.zeros(4))
+
+
+def test_inverse_cdf_sampling_frequencies_and_never_a_cut_token():
+    # probs 0.5, 0.25, 0 (cut by top-k), 0.25: 20000 draws land within 0.02 of them
+    logp = torch.tensor([0.5, 0.25, 0.0, 0.25]).log().expand(20000, 4)
+    torch.manual_seed(0)
+    picked = sample_from_logprobs(logp)
+    freq = torch.bincount(picked, minlength=4).float() / 20000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.0, 0.25]), atol=0.02)
+    assert int((picked == 2).sum()) == 0
+
+
+def test_shared_prompt_cache_gives_the_same_greedy_rollouts(engine):
+    ids, mask = _prompts(engine, ["hi", "a longer prompt here"])
+    greedy = Sampling(max_new_tokens=8, temperature=0.0, group_size=3)
+    engine.share_prompts = False
+    plain = engine.generate(ids, mask, greedy)
+    engine.share_prompts = True
+    shared = engine.generate(ids, mask, greedy)
+    assert torch.equal(plain.completion_ids, shared.completion_ids)
+    assert torch.allclose(plain.behaviour_logp, shared.behaviour_logp, atol=1e-5)

@@ -1,0 +1,154 @@
+"""Uniform sampling vs online prompt replay vs the variance curriculum, side by side.
+
+Same model (the embedded SmolLM2-135M-Instruct), task, rewards, seed and number of rollout
+steps for every strategy; each runs in its own subprocess, one after the other. Prints per
+strategy: the fraction of generated groups whose rewards are all equal (zero advantage), the
+mean |advantage|, greedy validation accuracy after training, and wall time.
+
+    python benchmarks/data_strategies.py                       # defaults below, ~15 min on 2 cores
+    python benchmarks/data_strategies.py --steps 4 --val-size 16   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+RESULT_TAG = "RESULT "
+STRATEGIES = ("uniform", "replay", "curriculum")
+
+
+def _strategies(name: str) -> dict:
+    from rlvr_lightning.data.curriculum import VarianceCurriculum
+    from rlvr_lightning.data.replay import PromptReplay
+
+    if name == "replay":
+        return {"replay": PromptReplay()}  # the released launch config's defaults
+    if name == "curriculum":
+        return {"curriculum": VarianceCurriculum(kappa_start=0.3, kappa_end=0.6, ramp_steps=20)}
+    return {}
+
+
+def _source(args: argparse.Namespace) -> dict:
+    """``--task mix``: one- and two-digit addition, equal weights (easy and hard prompts)."""
+    from rlvr_lightning.data import SourceSpec
+
+    if args.task != "mix":
+        return {"source": args.task, "task_config": {"digits": args.digits}}
+    specs = [SourceSpec("addition", task_config={"digits": d}) for d in (1, 2)]
+    return {"source": specs, "train_size": 200}
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import lightning.pytorch as pl
+
+    from rlvr_lightning import RLVRModule
+    from rlvr_lightning.data import RLVRDataModule
+    from rlvr_lightning.hooks import RLVRCallback
+    from rlvr_lightning.rewards import answer_accuracy, boxed_format
+    from rlvr_lightning.testing import quiet_trainer
+    from rlvr_lightning.types import Sampling
+
+    class Steps(RLVRCallback):
+        """Records each rollout step and stops after ``args.steps`` of them."""
+
+        def __init__(self) -> None:
+            self.metrics: list[dict[str, float]] = []
+
+        def on_step_output(self, trainer, module, output) -> None:
+            self.metrics.append(dict(output.metrics))
+            if len(self.metrics) >= args.steps:
+                trainer.should_stop = True
+
+    pl.seed_everything(args.seed)
+    steps = Steps()
+    model = RLVRModule(
+        reward_fns=[answer_accuracy, boxed_format],
+        reward_weights=[1.0, 0.25],
+        sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=8),
+        val_sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0),
+        micro_batch_size=16,
+        lr=2e-5,
+    )
+    data = RLVRDataModule(
+        **_source(args),
+        val_size=args.val_size,
+        prompts_per_step=8,
+        val_prompts_per_batch=args.val_size,
+        instruction="Put the final answer in \\boxed{}, for example \\boxed{5}.",
+        seed=args.seed,
+        **_strategies(args.strategy),
+    )
+    trainer = quiet_trainer(precision="bf16-mixed", max_steps=10 * args.steps, callbacks=[steps])
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    train_s = time.perf_counter() - start
+    trainer.limit_val_batches = 1.0
+    val = trainer.validate(model, datamodule=data, verbose=False)[0]
+    m = steps.metrics
+    return {
+        "strategy": args.strategy,
+        "rollout_steps": len(m),
+        "optimizer_steps": trainer.global_step,
+        "zero_variance_frac": statistics.mean(x["zero_variance_frac"] for x in m),
+        "adv_abs_mean": statistics.mean(x["adv_abs_mean"] for x in m),
+        "train_accuracy": statistics.mean(x["accuracy"] for x in m),
+        "trained_group_frac": statistics.mean(x["trained_group_frac"] for x in m),
+        "val_accuracy": float(val["val/accuracy"]),
+        "served_again": sum(r.reused for r in data.stats.records.values()),
+        "prompts_seen": len(data.stats),
+        "train_s": train_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16, help="rollout steps per strategy")
+    parser.add_argument("--task", default="addition", help="addition, multiplication or mix")
+    parser.add_argument("--digits", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--val-size", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode
+    args = parser.parse_args()
+    if args.strategy:
+        print(RESULT_TAG + json.dumps(worker(args)), flush=True)
+        return
+    rows = []
+    for name in args.strategies.split(","):
+        cmd = [sys.executable, __file__, "--strategy", name, *sys.argv[1:]]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        lines = [x for x in out.stdout.splitlines() if x.startswith(RESULT_TAG)]
+        if out.returncode != 0 or not lines:
+            sys.exit(f"{name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1].removeprefix(RESULT_TAG)))
+        print(f"done: {name}", file=sys.stderr, flush=True)
+    print(
+        f"\n{args.task} ({args.digits} digits), {args.steps} rollout steps of 8 prompts x 8 "
+        "completions, "
+        f"seed {args.seed}, validation: {args.val_size} held-out prompts, greedy\n"
+    )
+    header = ("strategy", "zero-var groups", "mean |adv|", "train acc", "trained groups",
+              "replayed/banked", "distinct prompts", "opt steps", "val acc", "wall s")  # fmt: skip
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for r in rows:
+        print(
+            f"{r['strategy']} | {r['zero_variance_frac']:.3f} | {r['adv_abs_mean']:.3f} | "
+            f"{r['train_accuracy']:.3f} | {r['trained_group_frac']:.3f} | "
+            f"{r['served_again']} | {r['prompts_seen']} | "
+            f"{r['optimizer_steps']} | {r['val_accuracy']:.3f} | {r['train_s']:.0f}"
+        )
+    base = rows[0]
+    for r in rows[1:]:
+        ratio = r["zero_variance_frac"] / max(base["zero_variance_frac"], 1e-9)
+        print(f"{r['strategy']}: zero-variance fraction {ratio:.2f}x {base['strategy']}'s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""``GroundTruthInjection``: the dataset's reference solution joins the rollout group (ViSurf).
+
+ViSurf (arXiv 2510.10606, spec §3) injects the ground-truth response into the RLVR group so one
+update gets external supervision and internal reinforcement; its three "reward control
+strategies" are not public. The three strategies here are this project's reconstruction, each
+switchable:
+
+(a) **template alignment**: the reference is rendered in the output format the rewards expect
+    (its final answer in ``\\boxed{}``), so format rewards do not punish it;
+(b) **gating**: inject only into groups whose on-policy pass rate is at most ``max_pass_rate``
+    (default 0: every sample wrong), so solved prompts are not pulled toward imitation;
+(c) **reward capping**: the reference stays out of its group's mean/std, and its advantage is
+    capped (default: the largest advantage an on-policy member of the group could have).
+
+The reference takes the slot of one sample (an incorrect one where possible), so a group keeps
+``G`` rows: set ``sampling.group_size`` to ``G + 1`` for ViSurf's "``G`` samples plus the label".
+Its tokens are weighted by the module's ``offpolicy_weighting`` (``on_policy`` makes it an
+advantage-weighted SFT term, ``shaping`` LUFFY's policy shaping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from rlvr_lightning import advantages as adv_lib
+from rlvr_lightning.hooks import RLVRCallback
+from rlvr_lightning.module import RLVRModule
+from rlvr_lightning.offpolicy import (
+    Member,
+    inject,
+    on_policy_rows,
+    replacement_slots,
+    scored_batch,
+)
+from rlvr_lightning.rewards.math import extract_boxed
+from rlvr_lightning.types import PromptBatch, Scored
+
+SOURCE = "reference"
+
+
+def align_reference(solution: str | None, answer: Any, answer_template: str) -> str | None:
+    r"""The reference in the rewards' format: a solution that has no ``\boxed{}`` gets the
+    rendered ``answer_template`` appended; without a solution, the template alone.
+
+    >>> align_reference("2 + 3 = 5.", 5, r"The answer is \boxed{{{answer}}}.")
+    '2 + 3 = 5.\n\nThe answer is \\boxed{5}.'
+    >>> align_reference(r"So \boxed{5}.", 5, r"\boxed{{{answer}}}")
+    'So \\boxed{5}.'
+    """
+    solution = (solution or "").strip()
+    if solution and extract_boxed(solution) is not None:
+        return solution
+    if answer is None:
+        return solution or None
+    rendered = answer_template.format(answer=str(answer).strip())
+    return f"{solution}\n\n{rendered}" if solution else rendered
+
+
+def reference_text(
+    solution: str | None, answer: Any, template_alignment: bool, answer_template: str
+) -> str | None:
+    """The text to inject: aligned (strategy a) or the raw solution, falling back to the answer."""
+    if template_alignment:
+        return align_reference(solution, answer, answer_template)
+    if solution:
+        return solution
+    return None if answer is None else str(answer)
+
+
+class GroundTruthInjection(RLVRCallback):
+    """Inject the reference solution into groups, with ViSurf-style reward control.
+
+    Args:
+        solution_column: prompt column holding a worked reference solution; prompts without it
+            fall back to ``answer_column``.
+        answer_column: prompt column holding the final answer.
+        template_alignment: strategy (a): append ``answer_template`` to a reference that has no
+            ``\\boxed{}`` answer.
+        answer_template: format string of the final answer, with ``{answer}``.
+        max_pass_rate: strategy (b): inject only into groups whose on-policy pass rate is
+            ``<= max_pass_rate`` (0: all samples wrong); None injects into every group.
+        reward_capping: strategy (c): the reference is left out of its group's baseline and
+            its advantage is at most ``advantage_cap``.
+        advantage_cap: the cap; None = the largest advantage an on-policy member could have,
+            ``advantages.max_member_advantage`` for the group's on-policy count and the gap
+            between the reference's reward and the group's lowest.
+    """
+
+    def __init__(
+        self,
+        solution_column: str = "solution",
+        answer_column: str = "answer",
+        template_alignment: bool = True,
+        answer_template: str = "The answer is \\boxed{{{answer}}}.",
+        max_pass_rate: float | None = 0.0,
+        reward_capping: bool = True,
+        advantage_cap: float | None = None,
+    ) -> None:
+        if max_pass_rate is not None and not 0.0 <= max_pass_rate <= 1.0:
+            raise ValueError(f"max_pass_rate must be in [0, 1] or None, got {max_pass_rate}.")
+        if "{answer}" not in answer_template:
+            raise ValueError(f"answer_template must contain {{answer}}, got {answer_template!r}.")
+        self.solution_column, self.answer_column = solution_column, answer_column
+        self.template_alignment, self.answer_template = template_alignment, answer_template
+        self.max_pass_rate, self.reward_capping = max_pass_rate, reward_capping
+        self.advantage_cap = advantage_cap
+        self.injected_total = 0
+        self._batch: PromptBatch | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not isinstance(pl_module, RLVRModule):
+            raise TypeError("GroundTruthInjection works with RLVRModule (or a subclass).")
+        g = pl_module.sampling.group_size
+        if self.reward_capping and g < 3:
+            raise ValueError(
+                f"GroundTruthInjection with reward_capping needs sampling.group_size >= 3 (the "
+                f"reference takes one slot, the baseline needs two samples); got {g}. Raise "
+                "model.sampling.group_size or set reward_capping: false."
+            )
+        if self.reward_capping and pl_module.estimator not in ("grpo", "dr_grpo"):
+            raise ValueError(
+                f"reward_capping needs estimator grpo or dr_grpo, not {pl_module.estimator!r}; "
+                "set model.estimator or reward_capping: false."
+            )
+        check_columns(trainer, [self.solution_column, self.answer_column], "GroundTruthInjection")
+
+    @override
+    def on_before_rollout(
+        self, trainer: pl.Trainer, module: RLVRModule, batch: PromptBatch
+    ) -> PromptBatch | None:
+        self._batch = batch
+        return None
+
+    @override
+    def on_after_score(self, trainer: pl.Trainer, module: RLVRModule, scored: Scored) -> Scored:
+        batch, g = scored_batch(module, self._batch, scored), scored.rollouts.group_size
+        correct = scored.correct.view(-1, g).cpu()  # [B, G]
+        on = on_policy_rows(scored.rollouts).view(-1, g).cpu()  # [B, G]
+        pass_rate = (correct & on).sum(1) / on.sum(1).clamp_min(1)  # [B]
+        members = []
+        for b in range(len(batch)):
+            if self.max_pass_rate is not None and float(pass_rate[b]) > self.max_pass_rate + 1e-9:
+                continue
+            text = reference_text(
+                self._column(batch, self.solution_column, b),
+                self._column(batch, self.answer_column, b),
+                self.template_alignment,
+                self.answer_template,
+            )
+            slots = replacement_slots(correct[b].tolist(), on[b].tolist(), 1)
+            if text is not None and slots:
+                members.append(Member(row=b * g + slots[0], source=SOURCE, text=text))
+        scored = inject(module, batch, scored, members)
+        self.injected_total += len(members)
+        scored.metrics["gt_injection/injected_groups"] = float(len(members))
+        if self.reward_capping and members:
+            scored = self._control(scored, [m.row for m in members], module.estimator == "grpo")
+        return scored
+
+    @staticmethod
+    def _column(batch: PromptBatch, name: str, b: int) -> Any:
+        values = batch.columns.get(name)
+        return None if values is None else values[b]
+
+    def _control(self, scored: Scored, rows: list[int], normalize_std: bool) -> Scored:
+        """Strategy (c): leave ``rows`` out of the baseline and cap their advantage."""
+        g, n = scored.rollouts.group_size, scored.rollouts.num_rows
+        device = scored.rewards.device
+        base = (
+            torch.ones(n, dtype=torch.bool, device=device)
+            if scored.baseline_mask is None
+            else scored.baseline_mask.clone()
+        )  # [N]
+        base[rows] = False
+        cap = (
+            torch.full((n,), float("inf"), device=device)
+            if scored.advantage_cap is None
+            else scored.advantage_cap.clone()
+        )  # [N]
+        rewards = scored.rewards.float().view(-1, g)  # [B, G]
+        in_base = base.view(-1, g)  # [B, G]
+        for row in rows:
+            b = row // g
+            if self.advantage_cap is not None:
+                cap[row] = self.advantage_cap
+                continue
+            lowest = rewards[b][in_base[b]].min()
+            gap = (rewards[b, row % g] - lowest).reshape(1)
+            members = max(int(in_base[b].sum()), 2)  # on-policy members of the baseline
+            cap[row] = adv_lib.max_member_advantage(members, gap, normalize_std=normalize_std)[0]
+        return dataclasses.replace(scored, baseline_mask=base, advantage_cap=cap)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"injected_total": self.injected_total}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.injected_total = int(state_dict["injected_total"])
+
+
+def check_columns(trainer: pl.Trainer, names: list[str], who: str) -> None:
+    """Raise when the data module's training examples have none of the columns ``names``."""
+    examples = getattr(getattr(trainer, "datamodule", None), "train_examples", None)
+    if not examples:
+        return
+    columns = set(examples[0].columns)
+    if not columns & set(names):
+        raise ValueError(
+            f"{who} needs a training column among {names}, but the data has {sorted(columns)}. "
+            "Map one with data.columns (e.g. {prompt: question, answer: answer, solution: "
+            "solution}) or set the callback's column arguments."
+        )

@@ -1,0 +1,396 @@
+"""``MixedPolicyGuidance``: off-policy trajectories replace samples in the group (spec §4).
+
+One callback for three published recipes, which differ in where the guidance comes from and
+when it is injected:
+
+- LUFFY (arXiv 2504.14945): ``source: reference`` (the dataset's solution), ``injection:
+  always``, ``num_replaced: 1``, module ``offpolicy_weighting: shaping`` (``f(pi)=pi/(pi+0.1)``).
+- AMPO (arXiv 2510.02227): ``source: teacher`` (a column holding one or several teacher
+  responses per prompt), ``injection: on_all_fail``, ``num_replaced: 2``, ``teacher_selection:
+  comprehension`` (the teacher reasoning under which the policy most expects the ground-truth
+  answer), ``reward: 1.0``.
+- ExGRPO (arXiv 2510.02245): ``source: experience`` (the run's own correct trajectories with
+  their behaviour log-probs, :class:`~rlvr_lightning.experience.ExperiencePool`), ``injection:
+  delayed`` (off until the batch solve rate exceeds ``start_solve_rate``), a share
+  ``experience_ratio`` of each batch's prompts replaced by pooled questions drawn by bucket,
+  the lowest-entropy stored trajectory of each, module ``offpolicy_weighting: shaping``.
+
+A member takes the slot of a sample (incorrect ones first), so every group keeps ``G`` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from rlvr_lightning.callbacks.ground_truth_injection import check_columns, reference_text
+from typing_extensions import override
+
+from rlvr_lightning.experience import ExperiencePool, Trajectory
+from rlvr_lightning.forward import completion_logprobs
+from rlvr_lightning.hooks import RLVRCallback
+from rlvr_lightning.module import RLVRModule
+from rlvr_lightning.offpolicy import (
+    Member,
+    encode,
+    inject,
+    on_policy_rows,
+    prompt_rows,
+    replacement_slots,
+    scored_batch,
+)
+from rlvr_lightning.ops import masked_mean
+from rlvr_lightning.rewards.math import extract_boxed
+from rlvr_lightning.teacher import TeacherModel
+from rlvr_lightning.types import PromptBatch, Rollouts, Scored
+
+Source = Literal["reference", "teacher", "experience"]
+Injection = Literal["always", "on_all_fail", "delayed"]
+
+
+def answer_prefix(response: str) -> str:
+    r"""The response up to the content of its last ``\boxed{``, or the response followed by
+    ``\boxed{`` when it has none: the context in which the ground-truth answer is scored."""
+    content = extract_boxed(response)
+    if content is None:
+        return f"{response.rstrip()} \\boxed{{"
+    start = response.rfind(content + "}")
+    return response[:start]
+
+
+class MixedPolicyGuidance(RLVRCallback):
+    """Replace samples with off-policy guidance: a reference, teacher responses or experience.
+
+    Args:
+        source: ``reference`` (``solution_column``, else ``answer_column``), ``teacher``
+            (``teacher_column``: a response or a list of responses per prompt) or
+            ``experience`` (the run's own stored correct trajectories).
+        injection: ``always``; ``on_all_fail`` (only groups whose samples are all wrong); or
+            ``delayed`` (nothing until the fraction of correct samples in a batch exceeds
+            ``start_solve_rate``, then always, for the rest of the run).
+        num_replaced: samples per group replaced by guidance (LUFFY 1, AMPO 2).
+        start_solve_rate: batch solve rate that switches ``delayed`` on (ExGRPO 0.35).
+        solution_column: column of reference solutions (``source: reference``).
+        answer_column: column of final answers (fallback reference; comprehension scoring).
+        template_alignment: render references with a ``\\boxed{}`` answer (as
+            ``GroundTruthInjection``).
+        teacher_column: column of teacher responses (``source: teacher``).
+        teacher_model: a second model (local folder, Hub id, ``tiny:<seed>``) that writes the
+            teacher responses through the HF engine at the module's sampling settings, instead
+            of ``teacher_column``; loaded in ``setup``, frozen, never checkpointed.
+        teacher_candidates: teacher-model responses per guided group (None: ``num_replaced``);
+            more than ``num_replaced`` lets ``comprehension`` choose.
+        teacher_selection: with several teacher responses, ``order`` takes the first ones,
+            ``comprehension`` the ones under which the policy gives the ground-truth answer the
+            highest mean token probability (AMPO's ``mean_exp_log_softmax``).
+        reward: total reward forced on injected members (AMPO: 1.0); None = verifier's.
+        experience_ratio: share of each batch's prompts replaced by pooled questions.
+        pool_questions: questions the experience pool keeps.
+        pool_trajectories: trajectories kept per pooled question.
+        bucket_sigma: width (in correct counts) of the bucket weights around ``G/2``.
+        seed: seed of experience sampling.
+    """
+
+    def __init__(
+        self,
+        source: Source = "reference",
+        injection: Injection = "always",
+        num_replaced: int = 1,
+        start_solve_rate: float = 0.35,
+        solution_column: str = "solution",
+        answer_column: str = "answer",
+        template_alignment: bool = True,
+        teacher_column: str = "teacher_responses",
+        teacher_selection: Literal["order", "comprehension"] = "order",
+        teacher_model: str | None = None,
+        teacher_candidates: int | None = None,
+        reward: float | None = None,
+        experience_ratio: float = 0.5,
+        pool_questions: int = 512,
+        pool_trajectories: int = 4,
+        bucket_sigma: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if num_replaced < 1:
+            raise ValueError(f"num_replaced must be >= 1, got {num_replaced}.")
+        if not 0.0 < experience_ratio <= 1.0:
+            raise ValueError(f"experience_ratio must be in (0, 1], got {experience_ratio}.")
+        self.source, self.injection, self.num_replaced = source, injection, num_replaced
+        self.start_solve_rate = start_solve_rate
+        self.solution_column, self.answer_column = solution_column, answer_column
+        self.template_alignment = template_alignment
+        self.teacher_column, self.teacher_selection = teacher_column, teacher_selection
+        self.teacher_model, self.teacher_candidates = teacher_model, teacher_candidates
+        self.teacher: TeacherModel | None = None
+        self.reward, self.experience_ratio, self.seed = reward, experience_ratio, seed
+        self.pool_args = (pool_questions, pool_trajectories, bucket_sigma)
+        self.pool: ExperiencePool | None = None
+        self.active = injection != "delayed"
+        self.steps = 0
+        self._batch: PromptBatch | None = None
+        self._replayed: list[int] = []  # batch rows holding pooled questions this step
+
+    # ---- setup and state -------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not isinstance(pl_module, RLVRModule):
+            raise TypeError("MixedPolicyGuidance works with RLVRModule (or a subclass).")
+        g = pl_module.sampling.group_size
+        if g - self.num_replaced < 2:
+            raise ValueError(
+                f"MixedPolicyGuidance replaces {self.num_replaced} of G={g} samples, leaving "
+                f"fewer than 2 on-policy ones; raise model.sampling.group_size to at least "
+                f"{self.num_replaced + 2} or lower num_replaced."
+            )
+        if self.source == "reference":
+            check_columns(trainer, [self.solution_column, self.answer_column], "source reference")
+        elif self.source == "teacher":
+            if self.teacher_model is None:
+                check_columns(trainer, [self.teacher_column], "source teacher")
+            elif self.teacher is None:
+                self.teacher = TeacherModel(self.teacher_model, pl_module.hparams.dtype)
+            if self.teacher_selection == "comprehension":
+                check_columns(trainer, [self.answer_column], "teacher_selection comprehension")
+        if self.pool is None and self.source == "experience":
+            self.pool = ExperiencePool(*self.pool_args[:2], group_size=g, sigma=self.pool_args[2])
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        pool = None if self.pool is None else self.pool.state_dict()
+        return {"active": self.active, "steps": self.steps, "pool": pool}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.active, self.steps = bool(state_dict["active"]), int(state_dict["steps"])
+        if state_dict["pool"] is not None:
+            if self.pool is None:
+                g = int(state_dict["pool"]["group_size"])
+                self.pool = ExperiencePool(
+                    *self.pool_args[:2], group_size=g, sigma=self.pool_args[2]
+                )
+            self.pool.load_state_dict(state_dict["pool"])
+
+    # ---- hooks -----------------------------------------------------------------------------
+
+    @override
+    def on_before_rollout(
+        self, trainer: pl.Trainer, module: RLVRModule, batch: PromptBatch
+    ) -> PromptBatch | None:
+        self._replayed = []
+        if self.source == "experience" and self.active and self.pool is not None:
+            batch = self._mix_in_experience(batch)
+        self._batch = batch
+        return batch
+
+    def _mix_in_experience(self, batch: PromptBatch) -> PromptBatch:
+        """Replace the last ``experience_ratio`` share of the prompts by pooled questions."""
+        assert self.pool is not None
+        want = min(len(self.pool), int(len(batch) * self.experience_ratio))
+        rng = random.Random(self.seed * 1_000_003 + self.steps)
+        picked = self.pool.sample(want, rng, exclude=batch.prompt_ids)
+        if not picked:
+            return batch
+        keep = len(batch) - len(picked)
+        self._replayed = list(range(keep, len(batch)))
+        prompts = [self.pool.prompt(pid) for pid in picked]
+        names = list(dict.fromkeys([*batch.columns, *(k for p in prompts for k in p["columns"])]))
+        columns = {
+            k: [*batch.columns.get(k, [None] * len(batch))[:keep]]
+            + [p["columns"].get(k) for p in prompts]
+            for k in names
+        }
+        return PromptBatch(
+            prompt_ids=[*batch.prompt_ids[:keep], *picked],
+            messages=[*batch.messages[:keep], *(p["messages"] for p in prompts)],
+            columns=columns,
+        )
+
+    @override
+    def on_after_score(self, trainer: pl.Trainer, module: RLVRModule, scored: Scored) -> Scored:
+        batch, g = scored_batch(module, self._batch, scored), scored.rollouts.group_size
+        correct = scored.correct.view(-1, g).cpu()  # [B, G]
+        on = on_policy_rows(scored.rollouts).view(-1, g).cpu()  # [B, G]
+        solved = (correct & on).sum(1)  # [B]
+        sampled = scored.rollouts
+        solve_rate = float(solved.sum()) / max(int(on.sum()), 1)
+        if self.injection == "delayed" and solve_rate > self.start_solve_rate:
+            self.active = True
+        members: list[Member] = []
+        groups = self._replayed if self.source == "experience" else range(len(batch))
+        guided = [
+            b
+            for b in (groups if self.active else [])
+            if not (self.injection == "on_all_fail" and int(solved[b]) > 0)
+        ]
+        generated = self._generate(module, batch, guided)
+        for b in guided:
+            slots = replacement_slots(correct[b].tolist(), on[b].tolist(), self.num_replaced)
+            rows = [b * g + s for s in slots]
+            members += self._members(module, batch, scored.rollouts, b, rows, generated.get(b))
+        scored = inject(module, batch, scored, members)
+        if self.pool is not None:  # after choosing: a group never replays its own samples
+            self._record(batch, sampled, correct, on)
+        scored.metrics.update(
+            {
+                "guidance/injected": float(len(members)),
+                "guidance/active": float(self.active),
+                "guidance/batch_solve_rate": solve_rate,
+            }
+        )
+        if self.pool is not None:
+            scored.metrics["guidance/pool_questions"] = float(len(self.pool))
+        self.steps += 1
+        return scored
+
+    # ---- members of one group ----------------------------------------------------------------
+
+    def _generate(
+        self, module: RLVRModule, batch: PromptBatch, groups: list[int]
+    ) -> dict[int, list[str]]:
+        """Teacher-model completions of the guided groups' prompts (none without a model)."""
+        if self.teacher is None:
+            return {}
+        n = self.teacher_candidates or self.num_replaced
+        sampling = dataclasses.replace(module.sampling, group_size=n)
+        texts = self.teacher.complete([batch.messages[b] for b in groups], sampling, module.device)
+        return dict(zip(groups, texts, strict=True))
+
+    def _members(
+        self,
+        module: RLVRModule,
+        batch: PromptBatch,
+        rollouts: Rollouts,
+        b: int,
+        rows: list[int],
+        generated: list[str] | None = None,
+    ) -> list[Member]:
+        if self.source == "experience":
+            assert self.pool is not None
+            trajs = self.pool.trajectories(batch.prompt_ids[b])
+            if not trajs:
+                return []
+            best = trajs[self._lowest_entropy(module, rollouts, rows[0], trajs)]
+            return [
+                Member(
+                    row=rows[0],
+                    source="experience",
+                    token_ids=best.token_ids,
+                    behaviour_logp=best.behaviour_logp,
+                    temperature=best.temperature,
+                    reward=self.reward,
+                )
+            ]
+        texts = self._texts(module, batch, rollouts, b, rows[0], generated)
+        return [
+            Member(row=row, source=self.source, text=text, reward=self.reward)
+            for row, text in zip(rows, texts, strict=False)
+        ]
+
+    def _texts(
+        self,
+        module: RLVRModule,
+        batch: PromptBatch,
+        rollouts: Rollouts,
+        b: int,
+        row: int,
+        generated: list[str] | None,
+    ) -> list[str]:
+        answer = batch.columns.get(self.answer_column, [None] * len(batch))[b]
+        if self.source == "reference":
+            solution = batch.columns.get(self.solution_column, [None] * len(batch))[b]
+            text = reference_text(solution, answer, self.template_alignment, "\\boxed{{{answer}}}")
+            return [] if text is None else [text]
+        responses = (
+            generated
+            if generated is not None
+            else batch.columns.get(self.teacher_column, [None] * len(batch))[b]
+        )
+        responses = [responses] if isinstance(responses, str) else list(responses or [])
+        if self.teacher_selection == "comprehension" and len(responses) > 1 and answer is not None:
+            scores = self._comprehension(module, rollouts, row, responses, str(answer))
+            responses = [responses[i] for i in torch.argsort(scores, descending=True).tolist()]
+        return responses[: self.num_replaced]
+
+    # ---- scoring candidates under the current policy -------------------------------------------
+
+    @staticmethod
+    def _policy_pass(
+        module: RLVRModule, rollouts: Rollouts, row: int, seqs: list[list[int]], temps: list[float]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs, entropies and mask ``[c, T]`` of completions ``seqs`` of ``row``'s prompt."""
+        device = rollouts.completion_ids.device
+        width = max(len(s) for s in seqs)
+        pad = module.tokenizer.pad_token_id
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)  # [c, T]
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+        c = len(seqs)
+        with torch.no_grad():
+            logp, entropy = completion_logprobs(
+                module.policy,
+                rollouts.prompt_ids[row].expand(c, -1),
+                rollouts.prompt_mask[row].expand(c, -1),
+                ids,
+                mask,
+                torch.tensor(temps, device=device, dtype=torch.float32),
+                with_entropy=True,
+            )
+        return logp, entropy, mask
+
+    def _lowest_entropy(
+        self, module: RLVRModule, rollouts: Rollouts, row: int, trajs: list[Trajectory]
+    ) -> int:
+        """ExGRPO's selection: the trajectory with the lowest mean token entropy now."""
+        if len(trajs) == 1:
+            return 0
+        _, entropy, mask = self._policy_pass(
+            module, rollouts, row, [t.token_ids for t in trajs], [t.temperature for t in trajs]
+        )
+        return int(masked_mean(entropy, mask, dim=-1).argmin())
+
+    def _comprehension(
+        self, module: RLVRModule, rollouts: Rollouts, row: int, responses: list[str], answer: str
+    ) -> torch.Tensor:
+        """AMPO's score ``[c]``: mean probability of the ground-truth answer's tokens after each
+        teacher's reasoning (its own final answer replaced by the ground truth)."""
+        tok = module.tokenizer
+        answer_ids = tok(answer, add_special_tokens=False).input_ids
+        prefixes = [encode(tok, answer_prefix(r), tok.eos_token_id)[:-1] for r in responses]
+        seqs = [p + answer_ids for p in prefixes]
+        logp, _, _ = self._policy_pass(module, rollouts, row, seqs, [1.0] * len(seqs))
+        scores = [
+            logp[i, len(p) : len(p) + len(answer_ids)].exp().mean() for i, p in enumerate(prefixes)
+        ]
+        return torch.stack(scores).cpu()
+
+    # ---- experience collection -------------------------------------------------------------
+
+    def _record(
+        self, batch: PromptBatch, rollouts: Rollouts, correct: torch.Tensor, on: torch.Tensor
+    ) -> None:
+        """Store each group's correct on-policy trajectories (ExGRPO's collection step)."""
+        assert self.pool is not None
+        g = rollouts.group_size
+        lengths = rollouts.completion_mask.sum(-1).tolist()  # [N]
+        for b, pid in enumerate(batch.prompt_ids):
+            trajs = []
+            for i in range(g):
+                row = b * g + i
+                if on[b, i] and correct[b, i]:
+                    n = int(lengths[row])
+                    trajs.append(
+                        Trajectory(
+                            token_ids=rollouts.completion_ids[row, :n].tolist(),
+                            behaviour_logp=rollouts.behaviour_logp[row, :n].tolist(),
+                            temperature=float(rollouts.temperature[row]),
+                            text=rollouts.completions[row],
+                        )
+                    )
+            prompt = {"messages": batch.messages[b], "columns": prompt_rows(batch, [b]).columns}
+            prompt["columns"] = {k: v[0] for k, v in prompt["columns"].items()}
+            self.pool.record(pid, prompt, int((correct[b] & on[b]).sum()), int(on[b].sum()), trajs)

@@ -1,0 +1,199 @@
+"""Datasets users bring: answer formats (GSM8K, MATH), several sources mixed by weight, and a
+prompt length limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlvr_lightning.data.sources import (
+    Example,
+    drop_overlap,
+    holdout_split,
+    is_path_source,
+    load_examples,
+)
+from rlvr_lightning.data.tasks import is_task_source, task_examples, validate_task
+from rlvr_lightning.rewards.math import extract_boxed, normalize_gold
+
+AnswerFormat = Literal["plain", "gsm8k", "boxed"]
+
+
+@dataclass
+class SourceSpec:
+    """One data source of a mixture.
+
+    Args:
+        source: a task (``addition``, ``multiplication``, ``gym:<name>``) or a data file/folder.
+        weight: share of the training stream, relative to the other sources' weights.
+        task_config: task generator arguments (tasks only).
+        columns: ``our name -> file column`` (files only).
+        answer_format: ``plain`` uses the answer column as is; ``gsm8k`` takes the text after
+            ``####`` of the answer column and keeps the full text as ``solution``; ``boxed``
+            takes the last ``\\boxed{}`` of the ``solution`` column (MATH style).
+    """
+
+    source: str
+    weight: float = 1.0
+    task_config: dict[str, Any] | None = None
+    columns: dict[str, str] | None = None
+    answer_format: AnswerFormat = "plain"
+
+
+def _with_answer(example: Example, answer: str, solution: str | None) -> Example:
+    columns = {**example.columns, "answer": answer}
+    if solution is not None:
+        columns.setdefault("solution", solution)
+    return dataclasses.replace(example, columns=columns)
+
+
+def _bad_rows(origin: str, fmt: str, bad: list[str], hint: str) -> ValueError:
+    return ValueError(
+        f"{origin}: {len(bad)} rows have no {hint} for answer_format={fmt!r} (first: prompt "
+        f"{bad[0][:60]!r}). Fix the rows, or pick the answer_format that matches the data."
+    )
+
+
+def apply_answer_format(examples: list[Example], fmt: AnswerFormat, origin: str) -> list[Example]:
+    """Derive the ``answer`` column from the dataset's solution text (see ``SourceSpec``)."""
+    if fmt == "plain":
+        return examples
+    out, bad = [], []
+    for ex in examples:
+        if fmt == "gsm8k":
+            text = str(ex.columns.get("answer") or "")
+            ok = "####" in text
+            answer, solution = normalize_gold(text), text
+        else:
+            text = str(ex.columns.get("solution") or ex.columns.get("answer") or "")
+            boxed = extract_boxed(text)
+            ok, answer, solution = boxed is not None, normalize_gold(boxed), text
+        if ok and answer:
+            out.append(_with_answer(ex, answer, solution))
+        else:
+            bad.append(ex.prompt)
+    if bad:
+        hint = "'#### <answer>' line" if fmt == "gsm8k" else "\\boxed{} answer in the solution"
+        raise _bad_rows(origin, fmt, bad, hint)
+    return out
+
+
+def drop_long_prompts(
+    examples: list[Example], count_tokens: Callable[[str], int], limit: int, what: str
+) -> list[Example]:
+    """``examples`` whose prompt has at most ``limit`` tokens; the rest skipped with a count."""
+    kept = [e for e in examples if count_tokens(e.prompt) <= limit]
+    if len(kept) < len(examples):
+        warnings.warn(
+            f"Skipped {len(examples) - len(kept)} of {len(examples)} {what} prompts longer than "
+            f"max_prompt_tokens={limit}.",
+            stacklevel=2,
+        )
+    return kept
+
+
+def source_splits(
+    spec: SourceSpec, train_size: int, val_size: int, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """``(train, held-out validation)`` examples of one source."""
+    if is_task_source(spec.source):
+        return task_examples(spec.source, spec.task_config, train_size, val_size, seed)
+    examples = apply_answer_format(
+        load_examples(spec.source, spec.columns), spec.answer_format, spec.source
+    )
+    return holdout_split(examples, val_size, seed) if val_size else (examples, [])
+
+
+def weighted_counts(total: int, weights: Sequence[float]) -> list[int]:
+    """Split ``total`` by ``weights`` (largest remainders get the leftover units)."""
+    if not weights or any(w <= 0 for w in weights):
+        raise ValueError(f"Source weights must all be > 0, got {list(weights)}.")
+    shares = [total * w / sum(weights) for w in weights]
+    counts = [int(s) for s in shares]
+    order = sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def resample(examples: list[Example], count: int, rng: random.Random) -> list[Example]:
+    """``count`` examples: whole copies of ``examples`` plus a seeded sample of the rest."""
+    copies, rest = divmod(count, len(examples))
+    return examples * copies + rng.sample(examples, rest)
+
+
+def mixture_splits(
+    specs: Sequence[SourceSpec], train_size: int, val_size: int, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """Training examples mixed by weight, and each source's held-out validation share.
+
+    Every source contributes its weight's share of the combined training size (the sum of the
+    sources' sizes), by repetition when it has fewer examples, so an epoch of the stream visits
+    the sources in proportion to their weights.
+    """
+    weights = [s.weight for s in specs]
+    val_counts = weighted_counts(val_size, weights) if val_size else [0] * len(specs)
+    splits = [
+        source_splits(spec, train_size, n_val, seed)
+        for spec, n_val in zip(specs, val_counts, strict=True)
+    ]
+    empty = [s.source for s, (train, _) in zip(specs, splits, strict=True) if not train]
+    if empty:
+        raise ValueError(f"Sources {empty} have no training examples; remove them.")
+    total = sum(len(train) for train, _ in splits)
+    rng = random.Random(seed)
+    train = [
+        ex
+        for (examples, _), n in zip(splits, weighted_counts(total, weights), strict=True)
+        for ex in resample(examples, n, rng)
+    ]
+    val = drop_overlap([ex for _, v in splits for ex in v], train, "validation")
+    return train, val
+
+
+def validate_source(
+    source: str,
+    task_config: Mapping[str, Any] | None,
+    val_source: str | None,
+    columns: Mapping[str, str] | None,
+) -> None:
+    """Raise a ValueError that says how to fix an inconsistent choice of data."""
+    if is_task_source(source) or not is_path_source(source):
+        validate_task(source, task_config)  # also rejects unknown task names
+    elif task_config:
+        raise ValueError(
+            f"task_config applies to procedural tasks, but source {source!r} is a file; remove "
+            "task_config or set source to a task (e.g. addition, gym:chain_sum)."
+        )
+    if val_source is not None and not is_path_source(val_source):
+        raise ValueError(
+            f"val_source must be a .jsonl/.parquet file or a saved datasets folder, got "
+            f"{val_source!r}; leave it unset to hold out val_size examples of source."
+        )
+    if columns is not None and is_task_source(source) and val_source is None:
+        raise ValueError(
+            "columns maps the columns of data files, but source is a procedural task and there "
+            "is no val_source; remove columns."
+        )
+
+
+def source_specs(
+    source: str | list[SourceSpec],
+    task_config: dict[str, Any] | None,
+    columns: dict[str, str] | None,
+    answer_format: AnswerFormat,
+) -> list[SourceSpec]:
+    if isinstance(source, str):
+        return [SourceSpec(source, 1.0, task_config, columns, answer_format)]
+    if not source or task_config or columns:
+        raise ValueError(
+            "With a list of sources, give task_config/columns inside each entry (and at least "
+            "one entry): source: [{source: addition, weight: 2}, {source: data.jsonl, "
+            "columns: {prompt: question}}]."
+        )
+    return [s if isinstance(s, SourceSpec) else SourceSpec(**s) for s in source]

@@ -1,0 +1,167 @@
+"""Dynamic sampling (DAPO, spec §8.2): generate more groups until enough are informative.
+
+A group is informative when the module's ``select_groups`` keeps it (its rewards differ, and
+the data module's curriculum, if any, lets it train). When fewer than the step's prompt count
+are informative, more prompts are drawn from the data module and generated, for at most
+``max_rounds`` extra rounds; the update then uses exactly the target number of informative
+groups (uninformative and surplus groups stay in the batch for statistics, with no gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlvr_lightning.types import PromptBatch, Rollouts, Scored
+
+
+def _pad_to(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+    """``[N, W]`` padded with ``value`` to ``[N, width]`` on the left or right."""
+    pad = width - x.shape[1]
+    if pad <= 0:
+        return x
+    filler = torch.full((x.shape[0], pad), value, dtype=x.dtype, device=x.device)
+    return torch.cat([filler, x] if left else [x, filler], dim=1)
+
+
+def concat_prompt_batches(a: PromptBatch, b: PromptBatch) -> PromptBatch:
+    """Prompts of ``a`` then ``b``; a column missing on one side is ``None`` there."""
+    names = list(dict.fromkeys([*a.columns, *b.columns]))
+    columns = {
+        n: list(a.columns.get(n, [None] * len(a))) + list(b.columns.get(n, [None] * len(b)))
+        for n in names
+    }
+    return PromptBatch([*a.prompt_ids, *b.prompt_ids], [*a.messages, *b.messages], columns=columns)
+
+
+def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
+    """Rows of ``a`` then ``b``: prompts re-left-padded, completions re-right-padded."""
+    if a.group_size != b.group_size:
+        raise ValueError(f"Group sizes differ: {a.group_size} vs {b.group_size}.")
+    p = max(a.prompt_ids.shape[1], b.prompt_ids.shape[1])
+    t = max(a.completion_ids.shape[1], b.completion_ids.shape[1])
+
+    def cat(name: str, width: int, value: float, left: bool) -> torch.Tensor:
+        xs = [_pad_to(getattr(r, name), width, value, left) for r in (a, b)]
+        return torch.cat(xs, dim=0)
+
+    offpolicy = None
+    if a.offpolicy_mask is not None or b.offpolicy_mask is not None:
+        masks = [
+            _pad_to(
+                r.offpolicy_mask
+                if r.offpolicy_mask is not None
+                else torch.zeros_like(r.completion_mask),
+                t,
+                0,
+                left=False,
+            )
+            for r in (a, b)
+        ]
+        offpolicy = torch.cat(masks, dim=0)  # [Na + Nb, T]
+    sources = (a.sources or ("policy",) * a.num_rows) + (b.sources or ("policy",) * b.num_rows)
+    return Rollouts(
+        prompt_ids=cat("prompt_ids", p, pad_id, left=True),  # [Na + Nb, P]
+        prompt_mask=cat("prompt_mask", p, 0, left=True),
+        completion_ids=cat("completion_ids", t, pad_id, left=False),  # [Na + Nb, T]
+        completion_mask=cat("completion_mask", t, 0, left=False),
+        behaviour_logp=cat("behaviour_logp", t, 0.0, left=False),
+        temperature=torch.cat([a.temperature, b.temperature]),
+        truncated=torch.cat([a.truncated, b.truncated]),
+        completions=[*a.completions, *b.completions],
+        group_size=a.group_size,
+        sources=sources if (a.sources or b.sources) else (),
+        offpolicy_mask=offpolicy,
+    )
+
+
+def concat_scored(a: Scored, b: Scored, pad_id: int) -> Scored:
+    """Scored rows of ``a`` then ``b``; per-step metrics are averaged."""
+    names = list(dict.fromkeys([*a.per_function, *b.per_function]))
+
+    def per_fn(s: Scored, name: str) -> torch.Tensor:
+        return s.per_function.get(name, torch.full((s.rollouts.num_rows,), float("nan")))
+
+    keys = set(a.metrics) | set(b.metrics)
+    return Scored(
+        rollouts=concat_rollouts(a.rollouts, b.rollouts, pad_id),
+        rewards=torch.cat([a.rewards, b.rewards.to(a.rewards.device)]),
+        per_function={n: torch.cat([per_fn(a, n), per_fn(b, n)]) for n in names},
+        correct=torch.cat([a.correct, b.correct.to(a.correct.device)]),
+        metrics={k: (a.metrics.get(k, 0.0) + b.metrics.get(k, 0.0)) / 2 for k in keys},
+    )
+
+
+def keep_first(mask: torch.Tensor, target: int) -> torch.Tensor:
+    """``mask`` with only its first ``target`` True entries kept (DAPO's truncation)."""
+    return mask & (mask.long().cumsum(0) <= target)
+
+
+def prompts_to_draw(missing: int, informative_rate: float, cap: int) -> int:
+    """Prompts for the next round: ``ceil(missing / rate)``, at most ``cap``, at least 1.
+
+    The rate is the informative share seen so far in this step (floored at ``1 / cap`` so a
+    step with no informative group draws ``cap``); this project's choice, to waste little
+    generation once most groups are informative.
+    """
+    rate = max(informative_rate, 1.0 / cap)
+    return max(1, min(cap, math.ceil(missing / rate)))
+
+
+@dataclass
+class Refill:
+    batch: PromptBatch  # [B'] the step's prompts and the extra rounds' prompts
+    scored: Scored  # [B' * G]
+    metrics: dict[str, float]
+
+
+def refill(
+    batch: PromptBatch,
+    scored: Scored,
+    select: Callable[[PromptBatch, Scored], torch.Tensor],
+    draw: Callable[[int, list[str]], PromptBatch],
+    generate: Callable[[PromptBatch], Scored],
+    max_rounds: int,
+    pad_id: int,
+    agree: Callable[[int], int] = lambda n: n,
+) -> Refill:
+    """Generate extra rounds until ``len(batch)`` groups are informative or rounds run out.
+
+    The caller keeps the first ``len(batch)`` informative groups (``keep_first``) once its
+    ``on_after_score`` hooks have run on the refilled batch.
+
+    Args:
+        select: ``[B]`` bool informative groups of a batch.
+        draw: ``n`` more prompts, excluding the given ids.
+        generate: rollout and score a prompt batch.
+        max_rounds: extra generation rounds at most.
+        pad_id: padding token of the re-padded tensors.
+        agree: the maximum of a count over ranks under DDP (identity otherwise), so all ranks
+            run the same rounds and draw the same number of prompts.
+    """
+    target = len(batch)
+    groups = select(batch, scored)  # [B]
+    rounds, drawn = 0, 0
+    while rounds < max_rounds:
+        missing = agree(max(target - int(groups.sum()), 0))
+        if missing == 0:
+            break
+        n = agree(prompts_to_draw(missing, float(groups.float().mean()), target))
+        extra = draw(n, list(batch.prompt_ids))
+        extra_scored = generate(extra)
+        batch = concat_prompt_batches(batch, extra)
+        scored = concat_scored(scored, extra_scored, pad_id)
+        groups = torch.cat([groups, select(extra, extra_scored)])
+        rounds, drawn = rounds + 1, drawn + n
+    informative = int(groups.sum())
+    metrics = {
+        "dynamic/rounds": float(rounds),
+        "dynamic/prompts": float(len(batch)),
+        "dynamic/extra_prompts": float(drawn),
+        "dynamic/informative": float(informative),
+        "dynamic/shortfall": float(max(target - informative, 0)),
+    }
+    return Refill(batch, scored, metrics)

