@@ -90,7 +90,8 @@ def public_base_model(policy: str) -> str | None:
 
 
 def clean_value(value: Any) -> Any:
-    """Plain data with every absolute or home-relative path replaced by ``<local path>``."""
+    """Plain data with every absolute or home-relative path replaced by ``<local path>``, and
+    relative paths that exist here by their last part."""
     if isinstance(value, Mapping):
         return {str(k): clean_value(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -100,6 +101,8 @@ def clean_value(value: Any) -> Any:
     if isinstance(value, str):
         if os.path.isabs(value) or value.startswith("~"):
             return LOCAL_PATH
+        if ("/" in value or os.sep in value) and os.path.exists(value):
+            return Path(value).name  # a relative local path: only its last part says anything
         return _ABS_PATH.sub(LOCAL_PATH, value)
     if value is None or isinstance(value, bool | int | float):
         return value

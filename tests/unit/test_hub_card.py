@@ -174,3 +174,12 @@ def test_citations_follow_algorithm_estimator_and_lora():
 )
 def test_public_base_model(policy, expected):
     assert model_card.public_base_model(policy) == expected
+
+
+def test_relative_local_paths_keep_only_their_last_part(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "run" / "checkpoints").mkdir(parents=True)
+    cleaned = model_card.clean_value(
+        {"dirpath": "outputs/run/checkpoints", "repo": "org/name", "note": "a/b not here"}
+    )
+    assert cleaned == {"dirpath": "checkpoints", "repo": "org/name", "note": "a/b not here"}
