@@ -17,18 +17,16 @@ import torch
 from torchmetrics import MeanMetric
 
 from rlvr_lightning import advantages as adv_lib
-from rlvr_lightning import models
+from rlvr_lightning import build, models
 from rlvr_lightning.dynamic import keep_first, refill
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
 from rlvr_lightning.metrics import PassAtK
 from rlvr_lightning.offpolicy import mixed_advantages
 from rlvr_lightning.presets import AlgorithmName, EstimatorName, get_preset
-from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
 from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
 from rlvr_lightning.rollout.factory import build_engine
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
-from rlvr_lightning.update import PolicyUpdate
 
 log = logging.getLogger(__name__)
 
@@ -146,48 +144,23 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         self.automatic_optimization = False
         preset = get_preset(algorithm)
         self.estimator = estimator or preset.estimator
-        if offpolicy_baseline == "on_policy" and self.estimator not in ("grpo", "dr_grpo"):
-            raise ValueError("offpolicy_baseline: on_policy needs estimator grpo or dr_grpo.")
+        build.validate_options(self.hparams, self.estimator)
         self.filter_zero_variance = (
             preset.filter_zero_variance if filter_zero_variance is None else filter_zero_variance
         )
         self.sampling, self.val_sampling = sampling, val_sampling
-        self._validate(sampling, epochs_per_rollout, minibatches_per_rollout, micro_batch_size)
-        self.policy, self.tokenizer = models.load_policy(policy, dtype)
-        self.tokenizer.padding_side = "left"
-        self.policy.train()
-        if lora_rank > 0:
-            self.policy = models.add_lora(
-                self.policy, lora_rank, lora_alpha, 0.0, lora_target_modules
-            )
+        self.policy, self.tokenizer = build.policy_and_tokenizer(
+            policy, dtype, lora_rank, lora_alpha, lora_target_modules
+        )
         # Not registered as a submodule: the frozen copy never enters checkpoints or optimisers.
         self._reference = (
             (models.frozen_copy(self.policy),) if kl_coef > 0 and lora_rank == 0 else ()
         )
-        self.updater = PolicyUpdate(
-            loss_fn=loss_fn or preset.loss_fn,
-            clip_low=preset.clip_low if clip_low is None else clip_low,
-            clip_high=preset.clip_high if clip_high is None else clip_high,
-            dual_clip=dual_clip,
-            agg_mode=agg_mode or preset.agg_mode,
-            norm_len=sampling.max_new_tokens,
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            entropy_coef=entropy_coef,
-            micro_batch_size=micro_batch_size,
-            offpolicy_weighting=offpolicy_weighting,
-            offpolicy_gamma=offpolicy_gamma,
-            offpolicy_exploration=offpolicy_exploration,
+        self.updater = build.policy_update(preset, self.hparams, loss_fn)
+        self.rewards = build.reward_combiner(
+            reward_fns, reward_weights, reward_timeout_s, preset.overlong_shaping, sampling
         )
-        self.rewards = self._build_rewards(
-            reward_fns, reward_weights, reward_timeout_s, preset.overlong_shaping
-        )
-        self.accuracy_reward = accuracy_reward or self.rewards.names[0]
-        if self.accuracy_reward not in self.rewards.names:
-            raise ValueError(
-                f"accuracy_reward={accuracy_reward!r} is not one of the reward names "
-                f"{self.rewards.names}."
-            )
+        self.accuracy_reward = build.accuracy_reward_name(accuracy_reward, self.rewards.names)
         self.engine: RolloutEngine = build_engine(
             engine, policy, self.policy, self.tokenizer, dtype, engine_kwargs
         )
@@ -200,33 +173,6 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         self.step_batch: PromptBatch | None = None  # prompts of the rows being scored
         self._rollout_step = 0
         self._nonfinite_streak = 0
-
-    @staticmethod
-    def _validate(sampling: Sampling, epochs: int, minibatches: int, micro: int) -> None:
-        if sampling.group_size < 2:
-            raise ValueError(
-                f"sampling.group_size must be >= 2 for group advantages, got {sampling.group_size}."
-            )
-        if min(epochs, minibatches, micro) < 1:
-            raise ValueError(
-                "epochs_per_rollout, minibatches_per_rollout and micro_batch_size must all be >= 1."
-            )
-
-    def _build_rewards(
-        self,
-        fns: Sequence[Callable] | None,
-        weights: Sequence[float] | None,
-        timeout_s: float,
-        overlong: bool,
-    ) -> RewardCombiner:
-        fns = list(fns) if fns is not None else [boxed_accuracy, boxed_format]
-        weights = list(weights) if weights is not None else [1.0] * len(fns)
-        if overlong:
-            # DAPO's soft punishment; the buffer is a quarter of the budget (this project's choice).
-            budget = self.sampling.max_new_tokens
-            fns.append(OverlongPenalty(max_len=budget, buffer_len=max(budget // 4, 1)))
-            weights.append(1.0)
-        return RewardCombiner(fns, weights, timeout_s=timeout_s)
 
     @property
     def reference(self) -> torch.nn.Module | None:

@@ -1,0 +1,90 @@
+"""What ``RLVRModule.__init__`` builds from its arguments: checks, the policy, the update and
+the rewards. Plain functions of the constructor's values, so the module keeps only the wiring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rlvr_lightning import models
+from rlvr_lightning.presets import Preset
+from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
+from rlvr_lightning.types import Sampling
+from rlvr_lightning.update import PolicyUpdate
+
+
+def validate_options(h: Mapping[str, Any], estimator: str) -> None:
+    """Raise a ValueError that says how to fix an inconsistent module configuration."""
+    group_size = h["sampling"]["group_size"]
+    if group_size < 2:
+        raise ValueError(
+            f"sampling.group_size must be >= 2 for group advantages, got {group_size}."
+        )
+    if min(h["epochs_per_rollout"], h["minibatches_per_rollout"], h["micro_batch_size"]) < 1:
+        raise ValueError(
+            "epochs_per_rollout, minibatches_per_rollout and micro_batch_size must all be >= 1."
+        )
+    if h["offpolicy_baseline"] == "on_policy" and estimator not in ("grpo", "dr_grpo"):
+        raise ValueError("offpolicy_baseline: on_policy needs estimator grpo or dr_grpo.")
+
+
+def policy_and_tokenizer(
+    name: str, dtype: str, lora_rank: int, lora_alpha: float, lora_targets: list[str] | str
+) -> tuple[Any, Any]:
+    """The trainable policy (LoRA-wrapped when ``lora_rank > 0``) and its left-padding tokenizer."""
+    policy, tokenizer = models.load_policy(name, dtype)
+    tokenizer.padding_side = "left"
+    policy.train()
+    if lora_rank > 0:
+        policy = models.add_lora(policy, lora_rank, lora_alpha, 0.0, lora_targets)
+    return policy, tokenizer
+
+
+def policy_update(preset: Preset, h: Mapping[str, Any], loss_fn: Callable | None) -> PolicyUpdate:
+    """The loss settings: the module's arguments where given, else the preset's."""
+
+    def pick(name: str) -> Any:
+        return getattr(preset, name) if h[name] is None else h[name]
+
+    return PolicyUpdate(
+        loss_fn=loss_fn or preset.loss_fn,
+        clip_low=pick("clip_low"),
+        clip_high=pick("clip_high"),
+        dual_clip=h["dual_clip"],
+        agg_mode=pick("agg_mode"),
+        norm_len=h["sampling"]["max_new_tokens"],
+        kl_coef=h["kl_coef"],
+        kl_estimator=h["kl_estimator"],
+        entropy_coef=h["entropy_coef"],
+        micro_batch_size=h["micro_batch_size"],
+        offpolicy_weighting=h["offpolicy_weighting"],
+        offpolicy_gamma=h["offpolicy_gamma"],
+        offpolicy_exploration=h["offpolicy_exploration"],
+    )
+
+
+def reward_combiner(
+    fns: Sequence[Callable] | None,
+    weights: Sequence[float] | None,
+    timeout_s: float,
+    overlong: bool,
+    sampling: Sampling,
+) -> RewardCombiner:
+    """The reward functions (default: boxed accuracy and format) with their weights."""
+    fns = list(fns) if fns is not None else [boxed_accuracy, boxed_format]
+    weights = list(weights) if weights is not None else [1.0] * len(fns)
+    if overlong:
+        # DAPO's soft punishment; the buffer is a quarter of the budget (this project's choice).
+        budget = sampling.max_new_tokens
+        fns.append(OverlongPenalty(max_len=budget, buffer_len=max(budget // 4, 1)))
+        weights.append(1.0)
+    return RewardCombiner(fns, weights, timeout_s=timeout_s)
+
+
+def accuracy_reward_name(requested: str | None, names: Sequence[str]) -> str:
+    """The reward that defines "correct": ``requested``, or the first reward."""
+    name = requested or names[0]
+    if name not in names:
+        raise ValueError(f"accuracy_reward={requested!r} is not one of the reward names {names}.")
+    return name
