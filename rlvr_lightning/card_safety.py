@@ -1,0 +1,69 @@
+"""What may appear in a public model card: Hub tokens and local paths never do."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlvr_lightning.hub import is_hub_name, split_revision
+
+LOCAL_PATH = "<local path>"
+REDACTED = "<redacted>"
+_HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{16,}\b")
+# An absolute POSIX or Windows path with at least two components, not part of a URL.
+_ABS_PATH = re.compile(
+    r"(?<![\w:/.~-])(?:~|[A-Za-z]:\\|/)(?:[^\s/\\'\"`<>|()\[\]]+[/\\])+[^\s'\"`<>|,()\[\]]*"
+)
+_PUBLIC_BASES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def public_base_model(policy: str) -> str | None:
+    """The Hub id a policy name stands for, or None (tiny models, local folders)."""
+    if policy in _PUBLIC_BASES:
+        return _PUBLIC_BASES[policy]
+    repo_id = split_revision(policy)[0]  # the card's `base_model` names a repo, not a revision
+    return repo_id if is_hub_name(policy) and "/" in repo_id and ":" not in policy else None
+
+
+def clean_value(value: Any) -> Any:
+    """Plain data with every absolute or home-relative path replaced by ``<local path>``, and
+    relative paths that exist here by their last part."""
+    if isinstance(value, Mapping):
+        return {str(k): clean_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean_value(v) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str):
+        if os.path.isabs(value) or value.startswith("~"):
+            return LOCAL_PATH
+        if ("/" in value or os.sep in value) and os.path.exists(value):
+            return Path(value).name  # a relative local path: only its last part says anything
+        return _ABS_PATH.sub(LOCAL_PATH, value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return clean_value(repr(value))
+
+
+def _secrets() -> list[str]:
+    found = [os.environ.get(k, "") for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")]
+    try:
+        from huggingface_hub import get_token
+
+        found.append(get_token() or "")
+    except Exception:  # a broken login file must not stop an export
+        pass
+    return [s for s in found if len(s) >= 8]
+
+
+def scrub(text: str, roots: Sequence[str | Path] = ()) -> str:
+    """Remove Hub tokens and local absolute paths (``roots`` first, then any path-like text)."""
+    for secret in _secrets():
+        text = text.replace(secret, REDACTED)
+    text = _HF_TOKEN.sub(REDACTED, text)
+    for root in sorted({str(r) for r in roots if str(r)}, key=len, reverse=True):
+        text = text.replace(root, LOCAL_PATH)
+    return _ABS_PATH.sub(LOCAL_PATH, text)
