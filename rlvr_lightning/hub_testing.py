@@ -134,89 +134,92 @@ class FakeHub:
         return f"{self.url}/{repo_id}"
 
 
+class _HubHandler(BaseHTTPRequestHandler):
+    """Routes the upload/download endpoints of huggingface_hub's client to ``hub``."""
+
+    hub: FakeHub
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:  # keep test output quiet
+        pass
+
+    def _reply(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _handle(self) -> None:
+        path = urlparse(self.path).path
+        body = self._body() if self.command == "POST" else b""
+        with self.hub._lock:
+            self.hub.requests.append((self.command, path))
+            self.hub.authorization.append(self.headers.get("Authorization"))
+            if self.hub.should_fail():
+                self._reply(self.hub.fail_with or 500, {"error": "FakeHub failure"})
+                return
+            status, reply, headers = self._route(path, body)
+        if isinstance(reply, dict) and "Invalid rev id" in str(reply.get("error")):
+            headers = {**headers, "X-Error-Code": "RevisionNotFound"}
+        self._reply(status, reply, headers)
+
+    def _route(self, path: str, body: bytes) -> tuple[int, Any, dict[str, str]]:
+        if path == "/api/repos/create":
+            return (*self.hub.create_repo(json.loads(body)), {})
+        if path == "/api/validate-yaml":
+            return 200, {}, {}
+        match = _REPO_API.match(path) or _RESOLVE.match(path)
+        if match is None:
+            return 404, {"error": f"FakeHub has no route {path}"}, {}
+        repo_id = match.group(1)
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            missing = {"X-Error-Code": "RepoNotFound"}
+            return 404, {"error": "Repository not found"}, missing
+        if _RESOLVE.match(path):
+            return self._resolve(repo, unquote(match.group(2)), unquote(match.group(3)))
+        action, rest = match.group(2), unquote(match.group(3))
+        if action == "branch":
+            return (*self.hub.create_branch(repo, rest), {})
+        if action == "preupload":
+            files = json.loads(body)["files"]
+            modes = [
+                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+            ]
+            return 200, {"files": modes}, {}
+        if action == "commit":
+            lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+            return (*self.hub.commit(repo_id, rest, lines), {})
+        if action == "tree":
+            return (*self.hub.tree(repo_id, rest), {})
+        return (*self.hub.revision_info(repo_id, rest), {})
+
+    def _resolve(self, repo: FakeRepo, rev: str, name: str) -> tuple[int, Any, dict]:
+        branch = self.hub.branch_of(repo, rev)
+        content = repo.branches.get(branch, {}).get(name)
+        if content is None:
+            return 404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"}
+        etag = f'"{hashlib.sha1(content).hexdigest()}"'
+        commit = repo.heads.get(branch, "0" * 40)
+        return 200, content, {"ETag": etag, "X-Repo-Commit": commit}
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_HEAD(self) -> None:
+        self._handle()
+
+
 def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:  # keep test output quiet
-            pass
-
-        def _reply(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-
-        def _body(self) -> bytes:
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-        def _handle(self) -> None:
-            path = urlparse(self.path).path
-            body = self._body() if self.command == "POST" else b""
-            with hub._lock:
-                hub.requests.append((self.command, path))
-                hub.authorization.append(self.headers.get("Authorization"))
-                if hub.should_fail():
-                    self._reply(hub.fail_with or 500, {"error": "FakeHub failure"})
-                    return
-                status, reply, headers = self._route(path, body)
-            if isinstance(reply, dict) and "Invalid rev id" in str(reply.get("error")):
-                headers = {**headers, "X-Error-Code": "RevisionNotFound"}
-            self._reply(status, reply, headers)
-
-        def _route(self, path: str, body: bytes) -> tuple[int, Any, dict[str, str]]:
-            if path == "/api/repos/create":
-                return (*hub.create_repo(json.loads(body)), {})
-            if path == "/api/validate-yaml":
-                return 200, {}, {}
-            match = _REPO_API.match(path) or _RESOLVE.match(path)
-            if match is None:
-                return 404, {"error": f"FakeHub has no route {path}"}, {}
-            repo_id = match.group(1)
-            repo = hub.repos.get(repo_id)
-            if repo is None:
-                missing = {"X-Error-Code": "RepoNotFound"}
-                return 404, {"error": "Repository not found"}, missing
-            if _RESOLVE.match(path):
-                return self._resolve(repo, unquote(match.group(2)), unquote(match.group(3)))
-            action, rest = match.group(2), unquote(match.group(3))
-            if action == "branch":
-                return (*hub.create_branch(repo, rest), {})
-            if action == "preupload":
-                files = json.loads(body)["files"]
-                modes = [
-                    {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                    for f in files
-                ]
-                return 200, {"files": modes}, {}
-            if action == "commit":
-                lines = [json.loads(line) for line in body.splitlines() if line.strip()]
-                return (*hub.commit(repo_id, rest, lines), {})
-            if action == "tree":
-                return (*hub.tree(repo_id, rest), {})
-            return (*hub.revision_info(repo_id, rest), {})
-
-        def _resolve(self, repo: FakeRepo, rev: str, name: str) -> tuple[int, Any, dict]:
-            branch = hub.branch_of(repo, rev)
-            content = repo.branches.get(branch, {}).get(name)
-            if content is None:
-                return 404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"}
-            etag = f'"{hashlib.sha1(content).hexdigest()}"'
-            commit = repo.heads.get(branch, "0" * 40)
-            return 200, content, {"ETag": etag, "X-Repo-Commit": commit}
-
-        def do_POST(self) -> None:
-            self._handle()
-
-        def do_GET(self) -> None:
-            self._handle()
-
-        def do_HEAD(self) -> None:
-            self._handle()
-
-    return Handler
+    return type("Handler", (_HubHandler,), {"hub": hub})
