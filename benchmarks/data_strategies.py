@@ -6,7 +6,12 @@ strategy: the fraction of generated groups whose rewards are all equal (zero adv
 mean |advantage|, greedy validation accuracy after training, and wall time.
 
     python benchmarks/data_strategies.py                       # defaults below, ~15 min on 2 cores
+    python benchmarks/data_strategies.py --task mix --seeds 0,1,2  # three seeds, ~45 min
     python benchmarks/data_strategies.py --steps 4 --val-size 16   # a quick look
+
+With several seeds it also prints mean ± sd over seeds and the zero-variance rate of fresh
+prompts and of prompts served again (replays, bank refills) separately: the second shows the
+mechanism directly, while the overall fraction also moves with how fast each run learns.
 """
 
 from __future__ import annotations
@@ -58,9 +63,14 @@ def worker(args: argparse.Namespace) -> dict:
 
         def __init__(self) -> None:
             self.metrics: list[dict[str, float]] = []
+            self.groups = {"again": [0, 0], "fresh": [0, 0]}  # origin -> [groups, zero-var]
 
         def on_step_output(self, trainer, module, output) -> None:
             self.metrics.append(dict(output.metrics))
+            for obs in trainer.datamodule.last_observed:
+                counts = self.groups["again" if obs.replayed else "fresh"]
+                counts[0] += 1
+                counts[1] += int(obs.reward_variance == 0)
             if len(self.metrics) >= args.steps:
                 trainer.should_stop = True
 
@@ -100,9 +110,31 @@ def worker(args: argparse.Namespace) -> dict:
         "trained_group_frac": statistics.mean(x["trained_group_frac"] for x in m),
         "val_accuracy": float(val["val/accuracy"]),
         "served_again": sum(r.reused for r in data.stats.records.values()),
+        "groups": steps.groups,
         "prompts_seen": len(data.stats),
         "train_s": train_s,
     }
+
+
+def _run(name: str, seed: int) -> dict:
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--strategy", name, "--seed", str(seed)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [x for x in out.stdout.splitlines() if x.startswith(RESULT_TAG)]
+    if out.returncode != 0 or not lines:
+        sys.exit(f"{name} (seed {seed}) failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix(RESULT_TAG))
+
+
+def _mean_sd(values: list[float], fmt: str = ".3f") -> str:
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}}"
+
+
+def _origin_rate(runs: list[dict], origin: str) -> str:
+    groups = sum(r["groups"][origin][0] for r in runs)
+    zero = sum(r["groups"][origin][1] for r in runs)
+    return f"{zero / groups:.3f} ({groups})" if groups else "- (0)"
 
 
 def main() -> None:
@@ -112,42 +144,64 @@ def main() -> None:
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--val-size", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated; one run per seed each")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args()
     if args.strategy:
         print(RESULT_TAG + json.dumps(worker(args)), flush=True)
         return
-    rows = []
-    for name in args.strategies.split(","):
-        cmd = [sys.executable, __file__, "--strategy", name, *sys.argv[1:]]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [x for x in out.stdout.splitlines() if x.startswith(RESULT_TAG)]
-        if out.returncode != 0 or not lines:
-            sys.exit(f"{name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-        rows.append(json.loads(lines[-1].removeprefix(RESULT_TAG)))
-        print(f"done: {name}", file=sys.stderr, flush=True)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    names = args.strategies.split(",")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for seed in seeds:  # seed-major, so a cut-short sweep still compares like with like
+        for name in names:
+            runs[name].append(_run(name, seed))
+            print(f"done: {name}, seed {seed}", file=sys.stderr, flush=True)
+    digits = "1 and 2" if args.task == "mix" else args.digits
     print(
-        f"\n{args.task} ({args.digits} digits), {args.steps} rollout steps of 8 prompts x 8 "
-        "completions, "
-        f"seed {args.seed}, validation: {args.val_size} held-out prompts, greedy\n"
+        f"\n{args.task} ({digits} digits), {args.steps} rollout steps of 8 prompts x 8 "
+        f"completions, seeds {args.seeds}, validation: {args.val_size} held-out prompts, greedy"
     )
-    header = ("strategy", "zero-var groups", "mean |adv|", "train acc", "trained groups",
-              "replayed/banked", "distinct prompts", "opt steps", "val acc", "wall s")  # fmt: skip
+    print("per run:\n")
+    header = ("strategy", "seed", "zero-var groups", "mean |adv|", "train acc", "trained groups",
+              "served again", "distinct prompts", "opt steps", "val acc", "wall s")  # fmt: skip
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
-    for r in rows:
+    for name in names:
+        for seed, r in zip(seeds, runs[name], strict=True):
+            print(
+                f"{name} | {seed} | {r['zero_variance_frac']:.3f} | {r['adv_abs_mean']:.3f} | "
+                f"{r['train_accuracy']:.3f} | {r['trained_group_frac']:.3f} | "
+                f"{r['served_again']} | {r['prompts_seen']} | "
+                f"{r['optimizer_steps']} | {r['val_accuracy']:.3f} | {r['train_s']:.0f}"
+            )
+    print("\nover seeds (mean ± sd; zero-var by origin pools all runs, groups in brackets):\n")
+    header = ("strategy", "zero-var groups", "mean |adv|", "val acc", "wall s",
+              "zero-var: fresh prompts", "zero-var: served again")  # fmt: skip
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for name in names:
+        rs = runs[name]
         print(
-            f"{r['strategy']} | {r['zero_variance_frac']:.3f} | {r['adv_abs_mean']:.3f} | "
-            f"{r['train_accuracy']:.3f} | {r['trained_group_frac']:.3f} | "
-            f"{r['served_again']} | {r['prompts_seen']} | "
-            f"{r['optimizer_steps']} | {r['val_accuracy']:.3f} | {r['train_s']:.0f}"
+            f"{name} | {_mean_sd([r['zero_variance_frac'] for r in rs])} | "
+            f"{_mean_sd([r['adv_abs_mean'] for r in rs])} | "
+            f"{_mean_sd([r['val_accuracy'] for r in rs])} | "
+            f"{_mean_sd([r['train_s'] for r in rs], '.0f')} | "
+            f"{_origin_rate(rs, 'fresh')} | {_origin_rate(rs, 'again')}"
         )
-    base = rows[0]
-    for r in rows[1:]:
-        ratio = r["zero_variance_frac"] / max(base["zero_variance_frac"], 1e-9)
-        print(f"{r['strategy']}: zero-variance fraction {ratio:.2f}x {base['strategy']}'s")
+    base = names[0]
+    for name in names[1:]:
+        ratios = [
+            r["zero_variance_frac"] / max(b["zero_variance_frac"], 1e-9)
+            for r, b in zip(runs[name], runs[base], strict=True)
+        ]
+        lower = sum(x < 1 for x in ratios)
+        print(
+            f"{name}: zero-variance fraction {statistics.mean(ratios):.2f}x {base}'s "
+            f"(mean of per-seed ratios; lower in {lower} of {len(ratios)} seeds)"
+        )
 
 
 if __name__ == "__main__":

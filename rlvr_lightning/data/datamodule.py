@@ -31,7 +31,12 @@ from rlvr_lightning.data.mixture import (
 )
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
-from rlvr_lightning.data.stats import PromptStats, gather_observations, observations
+from rlvr_lightning.data.stats import (
+    Observation,
+    PromptStats,
+    gather_observations,
+    observations,
+)
 from rlvr_lightning.data.stream import (
     FreshPrompts,
     PromptStream,
@@ -163,6 +168,7 @@ class RLVRDataModule(pl.LightningDataModule):
         self.train_examples: list[Example] = []
         self.val_examples: list[Example] = []
         self.steps = 0  # training steps reported through on_step_output
+        self.last_observed: list[Observation] = []  # the last reported step, all ranks
         self._cursor = StreamCursor()
         self._rng = random.Random(seed)
         self._served: set[str] = set()  # prompts of the current step served as replays
@@ -308,8 +314,11 @@ class RLVRDataModule(pl.LightningDataModule):
         """Hook the module calls after every training step with that step's ``StepOutput``.
 
         Records the step in ``stats`` (gathered across ranks) and feeds replay and curriculum.
+        The step's observations stay in ``last_observed`` until the next step (``replayed``
+        marks the prompts served again, as replays or bank refills).
         """
         observed = gather_observations(observations(output, self._served))
+        self.last_observed = observed
         self.stats.record(self.steps, observed)
         if self.replay is not None:
             self.replay.observe(self.steps, observed)

@@ -99,6 +99,20 @@ def test_replay_serves_mid_pass_rate_prompts_within_budget():
     assert sum(dm.stats.get(p).reused for p in dm.stats) > 0 and fresh_seen
 
 
+def test_last_observed_marks_the_prompts_served_again():
+    dm = make_dm(replay=PromptReplay(cooldown_steps=1))
+    earlier: set[str] = set()
+    replayed = 0
+    for step in range(8):
+        batch = dm.compose_step()
+        report(dm, batch, step)
+        assert [o.prompt_id for o in dm.last_observed] == batch.prompt_ids
+        assert [o.replayed for o in dm.last_observed] == [p in earlier for p in batch.prompt_ids]
+        earlier |= set(batch.prompt_ids)
+        replayed += sum(o.replayed for o in dm.last_observed)
+    assert replayed == sum(r.reused for r in dm.stats.records.values()) > 0
+
+
 def test_curriculum_masks_low_variance_groups_and_refills_from_the_bank():
     cur = VarianceCurriculum(kappa_start=0.75, kappa_end=0.75, bank_min_score=0.75)
     dm = make_dm(curriculum=cur)
