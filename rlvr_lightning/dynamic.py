@@ -12,10 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
+
+if TYPE_CHECKING:
+    from rlvr_lightning.module import RLVRModule
 
 
 def _pad_to(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
@@ -165,3 +169,28 @@ def refill(
         "dynamic/shortfall": float(max(target - informative, 0)),
     }
     return Refill(batch, scored, metrics)
+
+
+def refill_step(
+    module: RLVRModule, batch: PromptBatch, scored: Scored
+) -> tuple[PromptBatch, Scored, dict[str, float]]:
+    """``refill`` for a module's training step: prompts from its data module's
+    ``draw_prompts``, counts agreed across ranks, rounds generated and scored by the module."""
+    datamodule = getattr(module.trainer, "datamodule", None)
+    if not hasattr(datamodule, "draw_prompts"):
+        raise ValueError("dynamic_sampling needs a data module with draw_prompts (RLVRDataModule).")
+
+    def agree(n: int) -> int:  # the same count on every rank
+        return int(module.trainer.strategy.reduce(torch.tensor(float(n)), reduce_op="max"))
+
+    result = refill(
+        batch,
+        scored,
+        module.select_groups,
+        datamodule.draw_prompts,
+        lambda extra: module.score(extra, module.rollout(extra)),
+        module.hparams.max_gen_rounds,
+        module.tokenizer.pad_token_id,
+        agree,
+    )
+    return result.batch, result.scored, result.metrics

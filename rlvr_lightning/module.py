@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 
 from rlvr_lightning import advantages as adv_lib
 from rlvr_lightning import build, models
-from rlvr_lightning.dynamic import keep_first, refill
+from rlvr_lightning.dynamic import keep_first, refill_step
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
 from rlvr_lightning.metrics import PassAtK
@@ -27,6 +27,10 @@ from rlvr_lightning.presets import AlgorithmName, EstimatorName, get_preset
 from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
 from rlvr_lightning.rollout.factory import build_engine
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
+
+AggMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +103,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         algorithm: AlgorithmName = "grpo",
         loss_fn: Callable | None = None,
         estimator: EstimatorName | None = None,
-        agg_mode: Literal[
-            "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-        ]
-        | None = None,
+        agg_mode: AggMode | None = None,
         clip_low: float | None = None,
         clip_high: float | None = None,
         dual_clip: float | None = None,
@@ -315,7 +316,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         scored = self.score(batch, self.rollout(batch))
         extra_metrics: dict[str, float] = {}
         if self.hparams.dynamic_sampling:
-            batch, scored, extra_metrics = self.refill(batch, scored)
+            batch, scored, extra_metrics = refill_step(self, batch, scored)
         gen_s = lap()
         self.step_batch = batch  # the prompts of the scored rows, for on_after_score hooks
         scored = self._run_hooks("on_after_score", scored)
@@ -358,29 +359,6 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
             lr=self.optimizers().param_groups[0]["lr"],
             trained=groups,
         )
-
-    def refill(self, batch: PromptBatch, scored: Scored) -> tuple[PromptBatch, Scored, dict]:
-        """Dynamic sampling: extra rounds of prompts from the data module (``dynamic.refill``)."""
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if not hasattr(datamodule, "draw_prompts"):
-            raise ValueError(
-                "dynamic_sampling needs a data module with draw_prompts (RLVRDataModule)."
-            )
-
-        def agree(n: int) -> int:  # the same count on every rank
-            return int(self.trainer.strategy.reduce(torch.tensor(float(n)), reduce_op="max"))
-
-        result = refill(
-            batch,
-            scored,
-            self.select_groups,
-            datamodule.draw_prompts,
-            lambda extra: self.score(extra, self.rollout(extra)),
-            self.hparams.max_gen_rounds,
-            self.tokenizer.pad_token_id,
-            agree,
-        )
-        return result.batch, result.scored, result.metrics
 
     def publish(self, output: StepOutput) -> None:
         """Log the step and hand it to the data module and the callbacks."""
