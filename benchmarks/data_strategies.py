@@ -1,13 +1,29 @@
 """Uniform sampling vs online prompt replay vs the variance curriculum, side by side.
 
-Same model (the embedded SmolLM2-135M-Instruct), task, rewards, seed and number of rollout
-steps for every strategy; each runs in its own subprocess, one after the other. Prints per
-strategy: the fraction of generated groups whose rewards are all equal (zero advantage), the
-mean |advantage|, greedy validation accuracy after training, and wall time.
+Same starting model, task, rewards, seed and number of rollout steps for every strategy; each
+runs in its own subprocess, one after the other. Prints per strategy: the fraction of generated
+groups whose rewards are all equal (zero advantage), the mean |advantage|, greedy validation
+accuracy after training, and wall time.
 
-    python benchmarks/data_strategies.py                       # defaults below, ~15 min on 2 cores
-    python benchmarks/data_strategies.py --task mix --seeds 0,1,2  # three seeds, ~45 min
-    python benchmarks/data_strategies.py --steps 4 --val-size 16   # a quick look
+The starting model is the embedded SmolLM2-135M-Instruct after a shared warm-up
+(``--warmup-steps`` of uniform GRPO on one-digit addition at lr 2e-5, run once per invocation).
+Cold, the model mostly copies the instruction's ``\\boxed{5}`` example: for ~10 steps nearly
+every prompt fails alike, then nearly all succeed, a prompt-independent format jump that no data
+strategy addresses. Warm, its pass rates on two-digit sums spread from 0 to 1.
+
+The compared runs train at lr 2e-6 by default. Replay and the curriculum's bank serve a prompt
+again because of a pass rate measured one or two steps earlier, which predicts a mixed group
+only while the policy changes little between steps: the regime of the replay paper's launch
+config (lr 1e-6 on a 1.5B model). At the quickstart's lr 2e-5 this small model has solved a
+replayed prompt by the time it returns, and the zero-variance fraction mostly follows how fast
+each run learns (``--lr 2e-5``; the README reports both regimes).
+
+    python benchmarks/data_strategies.py                         # 1 seed, ~25 min on 2 cores
+    python benchmarks/data_strategies.py --seeds 0,1,2           # three seeds, ~70 min
+    python benchmarks/data_strategies.py --lr 2e-5 --seeds 0,1,2  # the fast-learning regime
+    python benchmarks/data_strategies.py --task mix --warmup-steps 0 --lr 2e-5  # cold start
+    python benchmarks/data_strategies.py --start-from DIR        # from your own saved policy
+    python benchmarks/data_strategies.py --steps 4 --warmup-steps 2 --val-size 16  # a quick look
 
 With several seeds it also prints mean ± sd over seeds and the zero-variance rate of fresh
 prompts and of prompts served again (replays, bank refills) separately: the second shows the
@@ -21,9 +37,11 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 RESULT_TAG = "RESULT "
+WARMUP_LR = 2e-5  # the quickstart's: the format is learnt in ~10 steps
 STRATEGIES = ("uniform", "replay", "curriculum")
 
 
@@ -50,10 +68,12 @@ def _source(args: argparse.Namespace) -> dict:
 
 def worker(args: argparse.Namespace) -> dict:
     import lightning.pytorch as pl
+    from rlvr_lightning.callbacks import ExportModel
 
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.data import RLVRDataModule
     from rlvr_lightning.hooks import RLVRCallback
+    from rlvr_lightning.models import EMBEDDED_DEFAULT
     from rlvr_lightning.rewards import answer_accuracy, boxed_format
     from rlvr_lightning.testing import quiet_trainer
     from rlvr_lightning.types import Sampling
@@ -63,7 +83,8 @@ def worker(args: argparse.Namespace) -> dict:
 
         def __init__(self) -> None:
             self.metrics: list[dict[str, float]] = []
-            self.groups = {"again": [0, 0], "fresh": [0, 0]}  # origin -> [groups, zero-var]
+            # origin -> [groups, zero-variance groups, of which all correct]
+            self.groups = {"again": [0, 0, 0], "fresh": [0, 0, 0]}
 
         def on_step_output(self, trainer, module, output) -> None:
             self.metrics.append(dict(output.metrics))
@@ -71,18 +92,23 @@ def worker(args: argparse.Namespace) -> dict:
                 counts = self.groups["again" if obs.replayed else "fresh"]
                 counts[0] += 1
                 counts[1] += int(obs.reward_variance == 0)
+                counts[2] += int(obs.reward_variance == 0 and obs.pass_rate == 1)
             if len(self.metrics) >= args.steps:
                 trainer.should_stop = True
 
     pl.seed_everything(args.seed)
     steps = Steps()
+    callbacks: list[pl.Callback] = [steps]
+    if args.export:  # the warm-up run: keep its policy for the strategy runs
+        callbacks.append(ExportModel(dirpath=args.export, card=False))
     model = RLVRModule(
+        policy=args.policy or EMBEDDED_DEFAULT,
         reward_fns=[answer_accuracy, boxed_format],
         reward_weights=[1.0, 0.25],
         sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=8),
         val_sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0),
         micro_batch_size=16,
-        lr=2e-5,
+        lr=args.lr,
     )
     data = RLVRDataModule(
         **_source(args),
@@ -93,7 +119,7 @@ def worker(args: argparse.Namespace) -> dict:
         seed=args.seed,
         **_strategies(args.strategy),
     )
-    trainer = quiet_trainer(precision="bf16-mixed", max_steps=10 * args.steps, callbacks=[steps])
+    trainer = quiet_trainer(precision="bf16-mixed", max_steps=10 * args.steps, callbacks=callbacks)
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
     train_s = time.perf_counter() - start
@@ -116,13 +142,33 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
-def _run(name: str, seed: int) -> dict:
+def _run(name: str, seed: int, *extra: str, label: str = "") -> dict:
+    """One worker subprocess; ``extra`` flags override the command line's (last one wins)."""
     cmd = [sys.executable, __file__, *sys.argv[1:], "--strategy", name, "--seed", str(seed)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run([*cmd, *extra], capture_output=True, text=True, check=False)
     lines = [x for x in out.stdout.splitlines() if x.startswith(RESULT_TAG)]
     if out.returncode != 0 or not lines:
         sys.exit(f"{name} (seed {seed}) failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix(RESULT_TAG))
+    result = json.loads(lines[-1].removeprefix(RESULT_TAG))
+    print(
+        f"done: {label or name}, seed {seed}: zero-var {result['zero_variance_frac']:.3f}, "
+        f"val acc {result['val_accuracy']:.3f}, {result['train_s']:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+def _warm_up(args: argparse.Namespace, seed: int, folder: str) -> list[str]:
+    """Train the shared starting policy into ``folder``; flags that make workers start from it."""
+    if args.start_from:
+        return ["--policy", args.start_from]
+    if args.warmup_steps <= 0:
+        return []
+    _run("uniform", seed, "--task", "addition", "--digits", "1", "--steps",
+         str(args.warmup_steps), "--lr", str(WARMUP_LR), "--export", folder,
+         label="warm-up")  # fmt: skip
+    return ["--policy", folder]
 
 
 def _mean_sd(values: list[float], fmt: str = ".3f") -> str:
@@ -132,9 +178,9 @@ def _mean_sd(values: list[float], fmt: str = ".3f") -> str:
 
 
 def _origin_rate(runs: list[dict], origin: str) -> str:
-    groups = sum(r["groups"][origin][0] for r in runs)
-    zero = sum(r["groups"][origin][1] for r in runs)
-    return f"{zero / groups:.3f} ({groups})" if groups else "- (0)"
+    """Zero-variance rate of one origin's groups, pooled: ``rate (all-correct part; groups)``."""
+    groups, zero, solved = (sum(r["groups"][origin][i] for r in runs) for i in range(3))
+    return f"{zero / groups:.3f} ({solved / groups:.3f}; {groups})" if groups else "- (0)"
 
 
 def main() -> None:
@@ -145,9 +191,21 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--val-size", type=int, default=30)
     parser.add_argument("--seeds", default="0", help="comma-separated; one run per seed each")
+    parser.add_argument("--lr", type=float, default=2e-6, help="learning rate of the compared runs")
+    parser.add_argument(
+        "--start-from", help="a saved policy folder to compare from (skips the warm-up)"
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=16,
+        help="shared uniform GRPO steps on one-digit addition before the comparison (0: none)",
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--strategy", help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)  # worker mode
+    parser.add_argument("--policy", help=argparse.SUPPRESS)  # worker: start from this folder
+    parser.add_argument("--export", help=argparse.SUPPRESS)  # worker: save the policy here
     args = parser.parse_args()
     if args.strategy:
         print(RESULT_TAG + json.dumps(worker(args)), flush=True)
@@ -155,14 +213,18 @@ def main() -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     names = args.strategies.split(",")
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for seed in seeds:  # seed-major, so a cut-short sweep still compares like with like
-        for name in names:
-            runs[name].append(_run(name, seed))
-            print(f"done: {name}, seed {seed}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="rlvr-warm-") as folder:
+        start_from = _warm_up(args, seeds[0], folder)
+        for seed in seeds:  # seed-major, so a cut-short sweep still compares like with like
+            for name in names:
+                runs[name].append(_run(name, seed, *start_from))
     digits = "1 and 2" if args.task == "mix" else args.digits
+    start = f"after {args.warmup_steps} warm-up steps" if args.warmup_steps > 0 else "cold"
+    start = f"from {args.start_from}" if args.start_from else f"embedded model, {start}"
     print(
         f"\n{args.task} ({digits} digits), {args.steps} rollout steps of 8 prompts x 8 "
-        f"completions, seeds {args.seeds}, validation: {args.val_size} held-out prompts, greedy"
+        f"completions at lr {args.lr:g}, seeds {args.seeds}, validation: {args.val_size} "
+        f"held-out prompts, greedy; {start}"
     )
     print("per run:\n")
     header = ("strategy", "seed", "zero-var groups", "mean |adv|", "train acc", "trained groups",
@@ -177,7 +239,10 @@ def main() -> None:
                 f"{r['served_again']} | {r['prompts_seen']} | "
                 f"{r['optimizer_steps']} | {r['val_accuracy']:.3f} | {r['train_s']:.0f}"
             )
-    print("\nover seeds (mean ± sd; zero-var by origin pools all runs, groups in brackets):\n")
+    print(
+        "\nover seeds (mean ± sd; zero-var by origin pools all runs: rate (all-correct part; "
+        "groups)):\n"
+    )
     header = ("strategy", "zero-var groups", "mean |adv|", "val acc", "wall s",
               "zero-var: fresh prompts", "zero-var: served again")  # fmt: skip
     print(" | ".join(header))
