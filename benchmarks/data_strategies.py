@@ -183,7 +183,7 @@ def _origin_rate(runs: list[dict], origin: str) -> str:
     return f"{zero / groups:.3f} ({solved / groups:.3f}; {groups})" if groups else "- (0)"
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16, help="rollout steps per strategy")
     parser.add_argument("--task", default="addition", help="addition, multiplication or mix")
@@ -206,18 +206,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--policy", help=argparse.SUPPRESS)  # worker: start from this folder
     parser.add_argument("--export", help=argparse.SUPPRESS)  # worker: save the policy here
-    args = parser.parse_args()
-    if args.strategy:
-        print(RESULT_TAG + json.dumps(worker(args)), flush=True)
-        return
-    seeds = [int(x) for x in args.seeds.split(",")]
-    names = args.strategies.split(",")
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory(prefix="rlvr-warm-") as folder:
-        start_from = _warm_up(args, seeds[0], folder)
-        for seed in seeds:  # seed-major, so a cut-short sweep still compares like with like
-            for name in names:
-                runs[name].append(_run(name, seed, *start_from))
+    return parser.parse_args()
+
+
+def _report(
+    args: argparse.Namespace, seeds: list[int], names: list[str], runs: dict[str, list[dict]]
+) -> None:
+    """Print the per-run table, the over-seeds table and each strategy's ratio to the first."""
     digits = "1 and 2" if args.task == "mix" else args.digits
     start = f"after {args.warmup_steps} warm-up steps" if args.warmup_steps > 0 else "cold"
     start = f"from {args.start_from}" if args.start_from else f"embedded model, {start}"
@@ -267,6 +262,22 @@ def main() -> None:
             f"{name}: zero-variance fraction {statistics.mean(ratios):.2f}x {base}'s "
             f"(mean of per-seed ratios; lower in {lower} of {len(ratios)} seeds)"
         )
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.strategy:
+        print(RESULT_TAG + json.dumps(worker(args)), flush=True)
+        return
+    seeds = [int(x) for x in args.seeds.split(",")]
+    names = args.strategies.split(",")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory(prefix="rlvr-warm-") as folder:
+        start_from = _warm_up(args, seeds[0], folder)
+        for seed in seeds:  # seed-major, so a cut-short sweep still compares like with like
+            for name in names:
+                runs[name].append(_run(name, seed, *start_from))
+    _report(args, seeds, names, runs)
 
 
 if __name__ == "__main__":
