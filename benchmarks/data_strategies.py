@@ -72,6 +72,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.data import RLVRDataModule
+    from rlvr_lightning.data.stats import group_outcome
     from rlvr_lightning.hooks import RLVRCallback
     from rlvr_lightning.models import EMBEDDED_DEFAULT
     from rlvr_lightning.rewards import answer_accuracy, boxed_format
@@ -92,7 +93,8 @@ def worker(args: argparse.Namespace) -> dict:
                 counts = self.groups["again" if obs.replayed else "fresh"]
                 counts[0] += 1
                 counts[1] += int(obs.reward_variance == 0)
-                counts[2] += int(obs.reward_variance == 0 and obs.pass_rate == 1)
+                solved = group_outcome(obs.num_correct, obs.group_size) == "all_correct"
+                counts[2] += int(obs.reward_variance == 0 and solved)
             if len(self.metrics) >= args.steps:
                 trainer.should_stop = True
 
