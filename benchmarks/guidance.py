@@ -11,7 +11,8 @@ off-policy weighting differ:
   ``offpolicy_weighting: shaping`` (``f(pi) = pi / (pi + 0.1)``).
 
 Prints a table of held-out greedy accuracy before and after, the mean fraction of groups with a
-non-zero advantage (groups whose rewards are not all equal, injected members included) and the
+non-zero advantage (as trained, injected members included), the mean fraction of groups whose
+sampled outcome is uniform (all correct or all wrong: what dynamic sampling would drop) and the
 mean training accuracy of the sampled (on-policy) completions.
 
     python benchmarks/guidance.py                       # defaults: 8 steps, ~10 min on 2 cores
@@ -112,13 +113,15 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
     train_s = time.perf_counter() - start
     after = _validate(trainer, module, data)
     steps = recorder.steps
-    nonzero = sum(1.0 - m["zero_variance_frac"] for m in steps) / len(steps)
-    policy_acc = [m.get("source/policy/accuracy", m["accuracy"]) for m in steps]
+    nonzero = sum(1.0 - m["zero_advantage_frac"] for m in steps) / len(steps)
+    uniform = sum(m["uniform_outcome_frac"] for m in steps) / len(steps)
+    policy_acc = [m["accuracy"] for m in steps]  # the sampled rows only
     return {
         "arm": arm,
         "before": before,
         "after": after,
         "nonzero_adv_groups": nonzero,
+        "uniform_outcome_groups": uniform,
         "train_accuracy": sum(policy_acc) / len(policy_acc),
         "train_s": train_s,
     }
@@ -147,13 +150,15 @@ def main() -> None:
         f"{args.val_size} held-out two-digit sums (greedy)\n"
     )
     print(
-        "| arm | val acc before | val acc after | groups with non-zero adv | train acc | train s |"
+        "| arm | val acc before | val acc after | groups with non-zero adv | "
+        "groups with a uniform sampled outcome | train acc | train s |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['arm']} | {r['before']:.3f} | {r['after']:.3f} | "
-            f"{r['nonzero_adv_groups']:.3f} | {r['train_accuracy']:.3f} | {r['train_s']:.0f} |"
+            f"{r['nonzero_adv_groups']:.3f} | {r['uniform_outcome_groups']:.3f} | "
+            f"{r['train_accuracy']:.3f} | {r['train_s']:.0f} |"
         )
 
 

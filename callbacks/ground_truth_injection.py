@@ -12,8 +12,10 @@ switchable:
 (c) **reward capping**: the reference stays out of its group's mean/std, and its advantage is
     capped (default: the largest advantage an on-policy member of the group could have).
 
-The reference takes the slot of one sample (an incorrect one where possible), so a group keeps
-``G`` rows: set ``sampling.group_size`` to ``G + 1`` for ViSurf's "``G`` samples plus the label".
+The reference takes the last slot of its group (``composition: append``, see
+``offpolicy.guidance_slots``), so a group keeps ``G`` rows: set ``sampling.group_size`` to
+``G + 1`` for ViSurf's "``G`` samples plus the label". Gating reads the prompt's sampled outcome
+(``outcomes.py``), which the injection never changes.
 Its tokens are weighted by the module's ``offpolicy_weighting`` (``on_policy`` makes it an
 advantage-weighted SFT term, ``shaping`` LUFFY's policy shaping).
 """
@@ -21,6 +23,7 @@ advantage-weighted SFT term, ``shaping`` LUFFY's policy shaping).
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,15 +31,18 @@ import torch
 from typing_extensions import override
 
 from rlvr_lightning import advantages as adv_lib
+from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.offpolicy import (
+    Composition,
     Member,
+    guidance_slots,
     inject,
     on_policy_rows,
-    replacement_slots,
     scored_batch,
 )
+from rlvr_lightning.outcomes import pass_rates, sampled_rows
 from rlvr_lightning.rewards.math import extract_boxed
 from rlvr_lightning.types import PromptBatch, Scored
 
@@ -89,6 +95,10 @@ class GroundTruthInjection(RLVRCallback):
         advantage_cap: the cap; None = the largest advantage an on-policy member could have,
             ``advantages.max_member_advantage`` for the group's on-policy count and the gap
             between the reference's reward and the group's lowest.
+        composition: which sample the reference displaces (``offpolicy.guidance_slots``):
+            ``append`` (the last one, default), ``replace_random`` (a random incorrect one) or
+            ``replace_last`` (the last incorrect one).
+        seed: seed of ``replace_random``.
     """
 
     def __init__(
@@ -100,6 +110,8 @@ class GroundTruthInjection(RLVRCallback):
         max_pass_rate: float | None = 0.0,
         reward_capping: bool = True,
         advantage_cap: float | None = None,
+        composition: Composition = "append",
+        seed: int = 0,
     ) -> None:
         if max_pass_rate is not None and not 0.0 <= max_pass_rate <= 1.0:
             raise ValueError(f"max_pass_rate must be in [0, 1] or None, got {max_pass_rate}.")
@@ -108,7 +120,8 @@ class GroundTruthInjection(RLVRCallback):
         self.solution_column, self.answer_column = solution_column, answer_column
         self.template_alignment, self.answer_template = template_alignment, answer_template
         self.max_pass_rate, self.reward_capping = max_pass_rate, reward_capping
-        self.advantage_cap = advantage_cap
+        self.advantage_cap, self.composition = advantage_cap, composition
+        self.rng = random.Random(seed)
         self.injected_total = 0
         self._batch: PromptBatch | None = None
 
@@ -144,7 +157,7 @@ class GroundTruthInjection(RLVRCallback):
         batch, g = scored_batch(module, self._batch, scored), scored.rollouts.group_size
         correct = scored.correct.view(-1, g).cpu()  # [B, G]
         on = on_policy_rows(scored.rollouts).view(-1, g).cpu()  # [B, G]
-        pass_rate = (correct & on).sum(1) / on.sum(1).clamp_min(1)  # [B]
+        pass_rate = pass_rates(sampled_rows(scored)[0], g)  # [B]
         members = []
         for b in range(len(batch)):
             if self.max_pass_rate is not None and float(pass_rate[b]) > self.max_pass_rate + 1e-9:
@@ -155,7 +168,9 @@ class GroundTruthInjection(RLVRCallback):
                 self.template_alignment,
                 self.answer_template,
             )
-            slots = replacement_slots(correct[b].tolist(), on[b].tolist(), 1)
+            slots = guidance_slots(
+                correct[b].tolist(), on[b].tolist(), 1, self.composition, self.rng
+            )
             if text is not None and slots:
                 members.append(Member(row=b * g + slots[0], source=SOURCE, text=text))
         scored = inject(module, batch, scored, members)
@@ -200,11 +215,13 @@ class GroundTruthInjection(RLVRCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"injected_total": self.injected_total}
+        return {"injected_total": self.injected_total, "rng": rng_state(self.rng)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.injected_total = int(state_dict["injected_total"])
+        if "rng" in state_dict:
+            set_rng_state(self.rng, state_dict["rng"])
 
 
 def check_columns(trainer: pl.Trainer, names: list[str], who: str) -> None:

@@ -15,7 +15,11 @@ when it is injected:
   ``experience_ratio`` of each batch's prompts replaced by pooled questions drawn by bucket,
   the lowest-entropy stored trajectory of each, module ``offpolicy_weighting: shaping``.
 
-A member takes the slot of a sample (incorrect ones first), so every group keeps ``G`` rows.
+Group composition follows the papers (``composition: auto``): LUFFY and ExGRPO train on
+``G - k`` samples plus ``k`` appended members (``append``), AMPO replaces random incorrect
+samples (``replace_random``, seeded); ``offpolicy.guidance_slots`` has the rules. Every group
+keeps ``G`` rows, and gating (``on_all_fail``, ``delayed``) and the experience pool read the
+prompt's sampled outcome (``outcomes.py``), which no injection changes.
 """
 
 from __future__ import annotations
@@ -29,20 +33,23 @@ import torch
 from rlvr_lightning.callbacks.ground_truth_injection import check_columns, reference_text
 from typing_extensions import override
 
+from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.experience import ExperiencePool, Trajectory
 from rlvr_lightning.forward import completion_logprobs
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.offpolicy import (
+    Composition,
     Member,
     encode,
+    guidance_slots,
     inject,
     on_policy_rows,
     prompt_rows,
-    replacement_slots,
     scored_batch,
 )
 from rlvr_lightning.ops import masked_mean
+from rlvr_lightning.outcomes import sampled_rows
 from rlvr_lightning.rewards.math import extract_boxed
 from rlvr_lightning.teacher import TeacherModel
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
@@ -91,7 +98,10 @@ class MixedPolicyGuidance(RLVRCallback):
         pool_questions: questions the experience pool keeps.
         pool_trajectories: trajectories kept per pooled question.
         bucket_sigma: width (in correct counts) of the bucket weights around ``G/2``.
-        seed: seed of experience sampling.
+        composition: which samples the members displace (``offpolicy.guidance_slots``):
+            ``auto`` (``replace_random`` for ``source: teacher`` as AMPO, else ``append`` as
+            LUFFY and ExGRPO), ``append``, ``replace_random`` or ``replace_last``.
+        seed: seed of experience sampling and of ``replace_random``.
     """
 
     def __init__(
@@ -112,6 +122,7 @@ class MixedPolicyGuidance(RLVRCallback):
         pool_questions: int = 512,
         pool_trajectories: int = 4,
         bucket_sigma: float = 1.0,
+        composition: Literal["auto"] | Composition = "auto",
         seed: int = 0,
     ) -> None:
         if num_replaced < 1:
@@ -126,6 +137,9 @@ class MixedPolicyGuidance(RLVRCallback):
         self.teacher_model, self.teacher_candidates = teacher_model, teacher_candidates
         self.teacher: TeacherModel | None = None
         self.reward, self.experience_ratio, self.seed = reward, experience_ratio, seed
+        auto = "replace_random" if source == "teacher" else "append"
+        self.composition: Composition = auto if composition == "auto" else composition
+        self.slot_rng = random.Random(seed)
         self.pool_args = (pool_questions, pool_trajectories, bucket_sigma)
         self.pool: ExperiencePool | None = None
         self.active = injection != "delayed"
@@ -163,11 +177,18 @@ class MixedPolicyGuidance(RLVRCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         pool = None if self.pool is None else self.pool.state_dict()
-        return {"active": self.active, "steps": self.steps, "pool": pool}
+        return {
+            "active": self.active,
+            "steps": self.steps,
+            "pool": pool,
+            "slot_rng": rng_state(self.slot_rng),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.active, self.steps = bool(state_dict["active"]), int(state_dict["steps"])
+        if "slot_rng" in state_dict:
+            set_rng_state(self.slot_rng, state_dict["slot_rng"])
         if state_dict["pool"] is not None:
             if self.pool is None:
                 g = int(state_dict["pool"]["group_size"])
@@ -186,6 +207,7 @@ class MixedPolicyGuidance(RLVRCallback):
         if self.source == "experience" and self.active and self.pool is not None:
             batch = self._mix_in_experience(batch)
         self._batch = batch
+        self.steps += 1
         return batch
 
     def _mix_in_experience(self, batch: PromptBatch) -> PromptBatch:
@@ -216,13 +238,17 @@ class MixedPolicyGuidance(RLVRCallback):
         batch, g = scored_batch(module, self._batch, scored), scored.rollouts.group_size
         correct = scored.correct.view(-1, g).cpu()  # [B, G]
         on = on_policy_rows(scored.rollouts).view(-1, g).cpu()  # [B, G]
-        solved = (correct & on).sum(1)  # [B]
-        sampled = scored.rollouts
-        solve_rate = float(solved.sum()) / max(int(on.sum()), 1)
+        sampled = sampled_rows(scored)[0].view(-1, g).cpu()  # [B, G] the policy's outcome
+        solved = sampled.sum(1)  # [B]
+        rollouts = scored.rollouts
+        solve_rate = float(sampled.float().mean())
         if self.injection == "delayed" and solve_rate > self.start_solve_rate:
             self.active = True
         members: list[Member] = []
+        # Pooled questions sit in the first round's rows; dynamic sampling's extra rounds
+        # (which call this hook again) hold fresh prompts only.
         groups = self._replayed if self.source == "experience" else range(len(batch))
+        self._replayed = []
         guided = [
             b
             for b in (groups if self.active else [])
@@ -230,12 +256,15 @@ class MixedPolicyGuidance(RLVRCallback):
         ]
         generated = self._generate(module, batch, guided)
         for b in guided:
-            slots = replacement_slots(correct[b].tolist(), on[b].tolist(), self.num_replaced)
+            slots = guidance_slots(
+                correct[b].tolist(), on[b].tolist(), self.num_replaced, self.composition,
+                self.slot_rng,
+            )  # fmt: skip
             rows = [b * g + s for s in slots]
             members += self._members(module, batch, scored.rollouts, b, rows, generated.get(b))
         scored = inject(module, batch, scored, members)
         if self.pool is not None:  # after choosing: a group never replays its own samples
-            self._record(batch, sampled, correct, on)
+            self._record(batch, rollouts, correct & on, solved)
         scored.metrics.update(
             {
                 "guidance/injected": float(len(members)),
@@ -245,7 +274,6 @@ class MixedPolicyGuidance(RLVRCallback):
         )
         if self.pool is not None:
             scored.metrics["guidance/pool_questions"] = float(len(self.pool))
-        self.steps += 1
         return scored
 
     # ---- members of one group ----------------------------------------------------------------
@@ -371,9 +399,11 @@ class MixedPolicyGuidance(RLVRCallback):
     # ---- experience collection -------------------------------------------------------------
 
     def _record(
-        self, batch: PromptBatch, rollouts: Rollouts, correct: torch.Tensor, on: torch.Tensor
+        self, batch: PromptBatch, rollouts: Rollouts, keep: torch.Tensor, solved: torch.Tensor
     ) -> None:
-        """Store each group's correct on-policy trajectories (ExGRPO's collection step)."""
+        """ExGRPO's collection step: each question goes to the bucket of its sampled correct
+        count ``solved`` ``[B]``; the rows ``keep`` ``[B, G]`` (correct samples still in the
+        batch) are stored as its trajectories."""
         assert self.pool is not None
         g = rollouts.group_size
         lengths = rollouts.completion_mask.sum(-1).tolist()  # [N]
@@ -381,7 +411,7 @@ class MixedPolicyGuidance(RLVRCallback):
             trajs = []
             for i in range(g):
                 row = b * g + i
-                if on[b, i] and correct[b, i]:
+                if keep[b, i]:
                     n = int(lengths[row])
                     trajs.append(
                         Trajectory(
@@ -393,4 +423,4 @@ class MixedPolicyGuidance(RLVRCallback):
                     )
             prompt = {"messages": batch.messages[b], "columns": prompt_rows(batch, [b]).columns}
             prompt["columns"] = {k: v[0] for k, v in prompt["columns"].items()}
-            self.pool.record(pid, prompt, int((correct[b] & on[b]).sum()), int(on[b].sum()), trajs)
+            self.pool.record(pid, prompt, int(solved[b]), g, trajs)

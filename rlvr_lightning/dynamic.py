@@ -1,10 +1,17 @@
 """Dynamic sampling (DAPO, spec §8.2): generate more groups until enough are informative.
 
-A group is informative when the module's ``select_groups`` keeps it (its rewards differ, and
-the data module's curriculum, if any, lets it train). When fewer than the step's prompt count
-are informative, more prompts are drawn from the data module and generated, for at most
-``max_rounds`` extra rounds; the update then uses exactly the target number of informative
-groups (uninformative and surplus groups stay in the batch for statistics, with no gradient).
+A group is informative when the module's ``select_groups`` keeps it (its accuracy outcome
+varies, by default, and the data module's curriculum, if any, lets it train). When fewer than
+the step's prompt count are informative, more prompts are drawn from the data module and
+generated, for at most ``max_rounds`` extra rounds; the update then uses exactly the target
+number of informative groups (uninformative and surplus groups stay in the batch for
+statistics, with no gradient).
+
+Order within a step: each round is generated, scored and passed through the ``on_after_score``
+hooks (``RLVRModule.generate_round``) before ``select_groups`` judges it, so a group that a hook
+rescues (ground-truth injection into an all-wrong group) counts as informative and is not
+replaced by an extra prompt. The hooks therefore run once per round, each time on that round's
+prompts (``module.step_batch``).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlvr_lightning.outcomes import sampled_rows
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
 
 if TYPE_CHECKING:
@@ -82,20 +90,43 @@ def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
     )
 
 
+def _row_values(s: Scored, name: str, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """``[N]`` optional per-row field of ``s``, ``fill`` where it is unset."""
+    value = getattr(s, name)
+    if value is None:
+        return torch.full((s.rollouts.num_rows,), fill, dtype=dtype, device=s.rewards.device)
+    return value
+
+
 def concat_scored(a: Scored, b: Scored, pad_id: int) -> Scored:
-    """Scored rows of ``a`` then ``b``; per-step metrics are averaged."""
+    """Scored rows of ``a`` then ``b``; per-step metrics are averaged.
+
+    The sampled snapshot, the baseline mask and the advantage cap (set by hooks) are carried:
+    a side without one gets its own rows, all-True, and no cap.
+    """
     names = list(dict.fromkeys([*a.per_function, *b.per_function]))
 
     def per_fn(s: Scored, name: str) -> torch.Tensor:
         return s.per_function.get(name, torch.full((s.rollouts.num_rows,), float("nan")))
 
+    def cat_optional(name: str, fill: float, dtype: torch.dtype) -> torch.Tensor | None:
+        if getattr(a, name) is None and getattr(b, name) is None:
+            return None
+        parts = [_row_values(s, name, fill, dtype) for s in (a, b)]
+        return torch.cat([parts[0], parts[1].to(parts[0].device)])
+
     keys = set(a.metrics) | set(b.metrics)
+    sampled = [sampled_rows(s) for s in (a, b)]
     return Scored(
         rollouts=concat_rollouts(a.rollouts, b.rollouts, pad_id),
         rewards=torch.cat([a.rewards, b.rewards.to(a.rewards.device)]),
         per_function={n: torch.cat([per_fn(a, n), per_fn(b, n)]) for n in names},
         correct=torch.cat([a.correct, b.correct.to(a.correct.device)]),
         metrics={k: (a.metrics.get(k, 0.0) + b.metrics.get(k, 0.0)) / 2 for k in keys},
+        baseline_mask=cat_optional("baseline_mask", 1, torch.bool),
+        advantage_cap=cat_optional("advantage_cap", float("inf"), torch.float32),
+        sampled_correct=torch.cat([sampled[0][0], sampled[1][0].to(sampled[0][0].device)]),
+        sampled_rewards=torch.cat([sampled[0][1], sampled[1][1].to(sampled[0][1].device)]),
     )
 
 
@@ -134,13 +165,13 @@ def refill(
 ) -> Refill:
     """Generate extra rounds until ``len(batch)`` groups are informative or rounds run out.
 
-    The caller keeps the first ``len(batch)`` informative groups (``keep_first``) once its
-    ``on_after_score`` hooks have run on the refilled batch.
+    ``scored`` and every round ``generate`` returns have been through the hooks already; the
+    caller keeps the first ``len(batch)`` informative groups (``keep_first``).
 
     Args:
         select: ``[B]`` bool informative groups of a batch.
         draw: ``n`` more prompts, excluding the given ids.
-        generate: rollout and score a prompt batch.
+        generate: rollout, score and run the ``on_after_score`` hooks on a prompt batch.
         max_rounds: extra generation rounds at most.
         pad_id: padding token of the re-padded tensors.
         agree: the maximum of a count over ranks under DDP (identity otherwise), so all ranks
@@ -188,7 +219,7 @@ def refill_step(
         scored,
         module.select_groups,
         datamodule.draw_prompts,
-        lambda extra: module.score(extra, module.rollout(extra)),
+        module.generate_round,
         module.hparams.max_gen_rounds,
         module.tokenizer.pad_token_id,
         agree,

@@ -16,13 +16,13 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import MeanMetric
 
-from rlvr_lightning import advantages as adv_lib
 from rlvr_lightning import build, models
 from rlvr_lightning.dynamic import keep_first, refill_step
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
 from rlvr_lightning.metrics import PassAtK
 from rlvr_lightning.offpolicy import mixed_advantages
+from rlvr_lightning.outcomes import InformativeBy, informative_groups, sampled_rows
 from rlvr_lightning.presets import AlgorithmName, EstimatorName, get_preset
 from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
 from rlvr_lightning.rollout.factory import build_engine
@@ -51,8 +51,12 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         clip_low: lower clip range; None = the preset's.
         clip_high: upper clip range; None = the preset's.
         dual_clip: dual-clip constant for negative advantages (None = off).
-        filter_zero_variance: drop groups with identical rewards from the update; None = the
-            preset's (on for ``dapo``).
+        filter_zero_variance: drop uninformative groups from the update; None = the preset's
+            (on for ``dapo``).
+        informative: what must vary within a group (as trained, injected members included)
+            for it to be informative: ``accuracy`` (some but not all rows correct, spec §8.2)
+            or the total ``reward`` (a format reward then makes an all-wrong group count);
+            None = the preset's (``accuracy`` for every preset).
         dynamic_sampling: DAPO dynamic sampling: generate extra rounds of prompts (drawn from
             the data module) until the step has as many informative groups as prompts (see
             ``dynamic.py``); implies dropping uninformative groups.
@@ -108,6 +112,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         clip_high: float | None = None,
         dual_clip: float | None = None,
         filter_zero_variance: bool | None = None,
+        informative: InformativeBy | None = None,
         dynamic_sampling: bool = False,
         max_gen_rounds: int = 3,
         reward_fns: Sequence[Callable] | None = None,
@@ -149,6 +154,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         self.filter_zero_variance = (
             preset.filter_zero_variance if filter_zero_variance is None else filter_zero_variance
         )
+        self.informative: InformativeBy = informative or preset.informative
         self.sampling, self.val_sampling = sampling, val_sampling
         self.policy, self.tokenizer = build.policy_and_tokenizer(
             policy, dtype, lora_rank, lora_alpha, lora_target_modules
@@ -174,6 +180,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         self.step_batch: PromptBatch | None = None  # prompts of the rows being scored
         self._rollout_step = 0
         self._nonfinite_streak = 0
+        self._round_times = {"gen": 0.0, "score": 0.0}  # this step's seconds, all rounds
 
     @property
     def reference(self) -> torch.nn.Module | None:
@@ -222,12 +229,15 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         columns["completion_length"] = rollouts.lengths.tolist()
         result = self.rewards(rollouts.completions, columns)
         acc = result.per_function[self.accuracy_reward].nan_to_num(0.0)  # [N]
+        rewards, correct = result.total.to(self.device), acc >= self.hparams.accuracy_threshold
         return Scored(
             rollouts=rollouts,
-            rewards=result.total.to(self.device),
+            rewards=rewards,
             per_function=result.per_function,
-            correct=acc >= self.hparams.accuracy_threshold,
+            correct=correct,
             metrics=result.metrics,
+            sampled_correct=correct,
+            sampled_rewards=rewards,
         )
 
     def compute_advantages(self, scored: Scored) -> torch.Tensor:
@@ -238,17 +248,20 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         return mixed_advantages(scored, self.estimator, self.hparams.offpolicy_baseline)
 
     def select_groups(self, batch: PromptBatch, scored: Scored) -> torch.Tensor:
-        """``[B]`` bool: groups the update uses (rewards differ when filtering or dynamic
-        sampling is on; and what the data module's curriculum allows)."""
+        """``[B]`` bool: groups the update uses.
+
+        With filtering or dynamic sampling on, a group must be informative as trained
+        (``outcomes.informative_groups`` by ``self.informative``, injected members included);
+        the data module's curriculum, if any, judges the sampled rows only.
+        """
         g = scored.rollouts.group_size
         keep = torch.ones(len(batch), dtype=torch.bool)  # [B]
         if self.filter_zero_variance or self.hparams.dynamic_sampling:
-            keep &= adv_lib.group_stats(scored.rewards, g)[1].cpu() > 0
+            keep &= informative_groups(scored.correct, scored.rewards, g, self.informative)
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
         if hasattr(datamodule, "train_group_mask"):
-            mask = datamodule.train_group_mask(
-                scored.correct.view(-1, g), scored.rewards.view(-1, g)
-            )
+            correct, rewards = sampled_rows(scored)
+            mask = datamodule.train_group_mask(correct.view(-1, g), rewards.view(-1, g))
             keep = keep if mask is None else keep & mask.cpu()
         return keep
 
@@ -313,14 +326,14 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
 
         batch = self._run_hooks("on_before_rollout", batch)
         target = len(batch)
-        scored = self.score(batch, self.rollout(batch))
+        self._round_times = {"gen": 0.0, "score": 0.0}
+        scored = self.generate_round(batch)
         extra_metrics: dict[str, float] = {}
         if self.hparams.dynamic_sampling:
             batch, scored, extra_metrics = refill_step(self, batch, scored)
-        gen_s = lap()
-        self.step_batch = batch  # the prompts of the scored rows, for on_after_score hooks
-        scored = self._run_hooks("on_after_score", scored)
-        score_s = lap()
+            self.step_batch = batch
+        lap()
+        gen_s, score_s = self._round_times["gen"], self._round_times["score"]
         advantages = self.compute_advantages(scored)
         groups = self.select_groups(batch, scored)  # [B]
         if self.hparams.dynamic_sampling:
@@ -338,6 +351,23 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         )
         self.publish(output)
         self._rollout_step += 1
+
+    def generate_round(self, batch: PromptBatch) -> Scored:
+        """Rollout, score, then the ``on_after_score`` hooks, for one round of prompts.
+
+        Dynamic sampling calls it again for each extra round, so the hooks see every group
+        (with ``step_batch`` its prompts) before anything judges it informative: a group a hook
+        rescues (e.g. an all-wrong one given its reference) is never thrown away first.
+        """
+        start = time.perf_counter()
+        rollouts = self.rollout(batch)
+        generated = time.perf_counter()
+        scored = self.score(batch, rollouts)
+        self.step_batch = batch  # the prompts of the scored rows, for on_after_score hooks
+        scored = self._run_hooks("on_after_score", scored)
+        self._round_times["gen"] += generated - start
+        self._round_times["score"] += time.perf_counter() - generated
+        return scored
 
     def step_output(
         self,

@@ -1,16 +1,18 @@
 """Off-policy group members: completions that were supplied rather than sampled (spec §3, §4).
 
 A callback builds :class:`Member`\\ s (a reference solution, a teacher response, a stored
-trajectory) and :func:`inject` puts each in the slot of one sampled row of its group, so the
-batch keeps ``G`` consecutive rows per prompt and everything downstream (advantages, the update,
-the step summary) works unchanged. The injected rows carry a source tag, a token-level
-``offpolicy_mask`` and, optionally, stored behaviour log-probs; the update weights their tokens
-with ``losses.offpolicy_token_loss`` and the module's ``offpolicy_weighting`` option.
+trajectory) and :func:`inject` puts each in the slot of one sampled row of its group
+(:func:`guidance_slots` chooses which), so the batch keeps ``G`` consecutive rows per prompt
+and everything downstream (advantages, the update) works unchanged; the prompt's outcome is
+read from the snapshot taken before any hook (``outcomes.py``). The injected rows carry a
+source tag, a token-level ``offpolicy_mask`` and, optionally, stored behaviour log-probs; the
+update weights their tokens with ``losses.offpolicy_token_loss`` and the module's ``offpolicy_weighting`` option.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from rlvr_lightning.module import RLVRModule
 
 BaselineMode = Literal["mixed", "on_policy"]
+Composition = Literal["append", "replace_random", "replace_last"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +77,39 @@ def on_policy_rows(rollouts: Rollouts) -> torch.Tensor:
     return torch.tensor([s == SOURCE_POLICY for s in tags], device=rollouts.completion_ids.device)
 
 
-def replacement_slots(correct: Sequence[bool], on_policy: Sequence[bool], k: int) -> list[int]:
-    """Up to ``k`` positions of a group for off-policy members: incorrect on-policy members
-    first, then correct ones, each from the end of the group (this project's choice: AMPO picks
-    incorrect ones at random; the last ones keep runs reproducible without an RNG).
+def guidance_slots(
+    correct: Sequence[bool],
+    on_policy: Sequence[bool],
+    k: int,
+    composition: Composition,
+    rng: random.Random | None = None,
+) -> list[int]:
+    """Positions in one group that ``k`` off-policy members take.
+
+    - ``append`` (LUFFY, ExGRPO: sample ``G - k``, append ``k``): the last ``k`` on-policy
+      positions, whatever their outcome. Samples of a group are exchangeable, so the group
+      trains on ``G - k`` samples plus the members exactly as if only ``G - k`` had been
+      drawn; the ``k`` samples it drops still count in the prompt's outcome
+      (``outcomes.sampled_rows``).
+    - ``replace_random`` (AMPO): ``min(k, #incorrect)`` incorrect on-policy positions drawn
+      with ``rng``.
+    - ``replace_last``: incorrect on-policy positions from the end, then correct ones (this
+      project's earlier rule; it removes failures from the trained group).
     """
-    wrong = [i for i in range(len(correct)) if on_policy[i] and not correct[i]]
-    right = [i for i in range(len(correct)) if on_policy[i] and correct[i]]
-    return (wrong[::-1] + right[::-1])[:k]
+    on = [i for i in range(len(correct)) if on_policy[i]]
+    wrong = [i for i in on if not correct[i]]
+    if composition == "append":
+        return on[len(on) - min(k, len(on)) :]
+    if composition == "replace_random":
+        if rng is None:
+            raise ValueError("composition replace_random needs a random generator.")
+        return sorted(rng.sample(wrong, min(k, len(wrong))))
+    if composition == "replace_last":
+        right = [i for i in on if correct[i]]
+        return (wrong[::-1] + right[::-1])[:k]
+    raise ValueError(
+        f"composition must be 'append', 'replace_random' or 'replace_last', got {composition!r}."
+    )
 
 
 def _pad_right(x: torch.Tensor, width: int, value: float) -> torch.Tensor:

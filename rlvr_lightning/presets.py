@@ -27,9 +27,11 @@ class Preset:
         clip_high: upper clip range ``ε_high``.
         agg_mode: how token losses are reduced (``losses.agg_loss``).
         estimator: advantage estimator (``advantages.compute_advantages``).
-        filter_zero_variance: drop groups whose rewards are all equal from the update. This is
-            the filtering half of DAPO's dynamic sampling; generating more prompts to refill the
-            batch is not done here.
+        filter_zero_variance: drop uninformative groups (see ``informative``) from the update:
+            the filtering half of DAPO's dynamic sampling (the module's ``dynamic_sampling``
+            adds the refilling half).
+        informative: what must vary within a group for it to be informative: ``accuracy``
+            (some but not all correct, DAPO's test, spec §8.2) or the total ``reward``.
         overlong_shaping: add DAPO's soft overlong penalty to the reward.
     """
 
@@ -40,6 +42,7 @@ class Preset:
     estimator: EstimatorName
     filter_zero_variance: bool = False
     overlong_shaping: bool = False
+    informative: Literal["accuracy", "reward"] = "accuracy"
 
 
 PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
@@ -53,6 +56,7 @@ PRESETS: MappingProxyType[str, Preset] = MappingProxyType(
             "grpo",
             filter_zero_variance=True,
             overlong_shaping=True,
+            informative="accuracy",
         ),
         "dr_grpo": Preset(losses.ppo_clip_loss, 0.2, 0.2, "seq-mean-token-sum-norm", "dr_grpo"),
         "gspo": Preset(losses.gspo_loss, 3e-4, 4e-4, "seq-mean-token-mean", "grpo"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlvr_lightning.offpolicy import on_policy_rows
+from rlvr_lightning.outcomes import sampled_rows, varies
 from rlvr_lightning.types import PromptBatch, Scored, StepOutput
 
 
@@ -24,30 +24,35 @@ def summarise_step(
 ) -> StepOutput:
     """Group-level statistics and the scalar metrics logged every step.
 
-    ``trained``: ``[B]`` bool, the groups the update used (None: all).
+    ``rewards``, ``correct``, ``accuracy`` and ``reward`` describe the rows the policy sampled
+    (``outcomes.sampled_rows``); ``accuracy_with_offpolicy`` and ``reward_with_offpolicy`` add
+    the injected members, logged when a group holds any. ``trained``: ``[B]`` bool, the groups
+    the update used (None: all).
     """
     g = scored.rollouts.group_size
-    rewards = group_view(scored.rewards.detach().float().cpu(), g)  # [B, G]
-    correct = group_view(scored.correct.cpu(), g)  # [B, G]
+    sampled_correct, sampled_rewards = sampled_rows(scored)
+    rewards = group_view(sampled_rewards.detach().float().cpu(), g)  # [B, G]
+    correct = group_view(sampled_correct.cpu(), g)  # [B, G]
     lengths = group_view(scored.rollouts.lengths.cpu(), g)  # [B, G]
     variance = rewards.var(dim=1, unbiased=True) if g > 1 else torch.zeros(len(rewards))  # [B]
-    # Pass rates describe the policy: injected (off-policy) members do not count.
-    sampled = (
-        group_view(on_policy_rows(scored.rollouts).cpu(), g) if scored.rollouts.sources else None
-    )
-    policy_correct = correct if sampled is None else correct & sampled  # [B, G]
-    policy_rows = torch.full((len(correct),), g) if sampled is None else sampled.sum(1)  # [B]
+    adv = advantages.detach().float().cpu()
+    adv = group_view(adv if adv.dim() == 1 else adv.abs().amax(dim=-1), g)  # [B, G]
     metrics = {
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "accuracy": float(correct.float().mean()),
         "zero_variance_frac": float((variance == 0).float().mean()),
+        "uniform_outcome_frac": float((~varies(correct)).float().mean()),
+        "zero_advantage_frac": float((adv.abs().amax(dim=1) == 0).float().mean()),
         "trained_group_frac": 1.0 if trained is None else float(trained.float().mean()),
         "adv_abs_mean": float(advantages.detach().abs().mean()),
         "completion_len": float(lengths.float().mean()),
         "truncated_frac": float(scored.rollouts.truncated.float().mean()),
         "lr": lr,
     }
+    if scored.rollouts.offpolicy_mask is not None:
+        metrics["accuracy_with_offpolicy"] = float(scored.correct.float().mean())
+        metrics["reward_with_offpolicy"] = float(scored.rewards.detach().float().mean())
     for name, values in scored.per_function.items():
         metrics[f"reward/{name}"] = float(values.nanmean()) if values.numel() else 0.0
     metrics.update({k: v for k, v in scored.metrics.items() if not k.endswith("/mean")})
@@ -59,9 +64,8 @@ def summarise_step(
         rewards=rewards,
         correct=correct,
         lengths=lengths,
-        pass_rate=policy_correct.sum(1) / policy_rows.clamp(min=1),
+        pass_rate=correct.float().mean(dim=1),
         group_variance=variance,
         metrics=metrics,
         trained=None if trained is None else trained.detach().cpu(),
-        sampled=sampled,
     )

@@ -118,6 +118,11 @@ class Scored:
         per_function: name -> ``[N]`` raw reward of each function (NaN where not applicable).
         correct: ``[N]`` bool, whether the accuracy reward counts the row as solved.
         metrics: scalar metrics of scoring (failures, timeouts, ...).
+        sampled_correct: ``[N]`` bool, ``correct`` as the policy sampled it: set by
+            ``RLVRModule.score`` and carried unchanged through the ``on_after_score`` hooks
+            (``dataclasses.replace`` keeps it), so a prompt's outcome never counts a row a hook
+            replaced or added. None: the rows are their own snapshot (see ``outcomes.py``).
+        sampled_rewards: ``[N]`` ``rewards`` as sampled, the same way.
     """
 
     rollouts: Rollouts
@@ -129,13 +134,18 @@ class Scored:
     # ``offpolicy_baseline`` option decides. Set by reward-control callbacks.
     baseline_mask: torch.Tensor | None = None
     advantage_cap: torch.Tensor | None = None  # [N] upper bound on each row's advantage
+    sampled_correct: torch.Tensor | None = None  # [N] bool, before any hook
+    sampled_rewards: torch.Tensor | None = None  # [N], before any hook
 
 
 @dataclass(frozen=True)
 class StepOutput:
     """What one training step leaves behind for the data module and callbacks.
 
-    Read it through ``RLVRModule.last_step`` or the ``on_step_output`` hook of the data module.
+    ``rewards``, ``correct``, ``pass_rate`` and ``group_variance`` describe the ``G`` rows the
+    policy sampled for each prompt, as scored before any ``on_after_score`` hook: injected
+    (off-policy) members never count. Read it through ``RLVRModule.last_step`` or the
+    ``on_step_output`` hook of the data module.
     """
 
     step: int  # rollout step index, counted from 0
@@ -148,4 +158,3 @@ class StepOutput:
     group_variance: torch.Tensor  # [B] unbiased variance of rewards within each group
     metrics: dict[str, float] = field(default_factory=dict)
     trained: torch.Tensor | None = None  # [B] bool, groups the update used (None: all)
-    sampled: torch.Tensor | None = None  # [B, G] bool, rows sampled from the policy (None: all)

@@ -54,7 +54,8 @@ class PromptReplay:
 
     Args:
         fraction: share ``f`` of each step's prompts that may be replays (at most half).
-        cooldown_steps: steps a prompt waits after being trained before it may be replayed.
+        cooldown_steps: steps a prompt waits after it was last observed (generated for,
+            whether or not the update used its group) before it may be replayed.
         max_reuse: replays per prompt (``<= 0``: unlimited).
         min_pass_rate: lower end of the admission window (inclusive).
         max_pass_rate: upper end of the admission window (inclusive).
@@ -107,8 +108,9 @@ class PromptReplay:
         for obs in observed:
             pid, p = obs.prompt_id, obs.pass_rate
             self.pass_rates[pid] = p
-            if obs.trained:
-                self.last_step[pid] = step
+            # Every observed prompt cools down, trained or not (spec §1): one left out of the
+            # update (dynamic-sampling surplus, below κ) was still just generated for.
+            self.last_step[pid] = step
             self.active.discard(pid)
             if self.pass_rate_cooldown is not None:
                 base = pass_rate_cooldown(p, self.pass_rate_cooldown)

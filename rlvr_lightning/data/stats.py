@@ -55,16 +55,14 @@ class Observation:
 def observations(
     output: StepOutput, replayed: set[str] | frozenset[str] = frozenset()
 ) -> list[Observation]:
-    """One ``Observation`` per group of a step output; injected members are not counted."""
-    correct, sizes = output.correct, [output.group_size] * len(output.prompt_ids)
-    if output.sampled is not None:  # count only members sampled from the policy
-        correct, sizes = correct & output.sampled, output.sampled.sum(dim=1).tolist()
-    k = correct.sum(dim=1).tolist()  # [B]
+    """One ``Observation`` per group of a step output: the ``G`` rows the policy sampled
+    (``StepOutput`` never holds injected members)."""
+    k = output.correct.sum(dim=1).tolist()  # [B]
     trained = output.trained.tolist() if output.trained is not None else [True] * len(k)
     return [
-        Observation(pid, int(k_i), int(g), float(v), bool(t), pid in replayed)
-        for pid, k_i, g, v, t in zip(
-            output.prompt_ids, k, sizes, output.group_variance.tolist(), trained, strict=True
+        Observation(pid, int(k_i), output.group_size, float(v), bool(t), pid in replayed)
+        for pid, k_i, v, t in zip(
+            output.prompt_ids, k, output.group_variance.tolist(), trained, strict=True
         )
     ]
 

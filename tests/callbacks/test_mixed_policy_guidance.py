@@ -68,8 +68,9 @@ def test_on_all_fail_injects_teachers_only_where_every_sample_failed():
     cb = MixedPolicyGuidance(source="teacher", injection="on_all_fail", num_replaced=2)
     teachers = [["a \\boxed{easy}"], ["first \\boxed{7}", "second \\boxed{7}", "third"]]
     out = _step(module, cb, _batch({"answer": ["easy", "7"], "teacher_responses": teachers}))
-    assert out.rollouts.sources == ("policy",) * 6 + ("teacher", "teacher")
-    assert out.rollouts.completions[6:] == ["second \\boxed{7}", "first \\boxed{7}"]
+    rows = [i for i, s in enumerate(out.rollouts.sources) if s == "teacher"]
+    assert len(rows) == 2 and all(4 <= r < 8 for r in rows)  # AMPO: random incorrect slots
+    assert [out.rollouts.completions[r] for r in rows] == ["first \\boxed{7}", "second \\boxed{7}"]
 
 
 def test_teacher_model_writes_the_guidance_of_failing_groups():
@@ -138,10 +139,11 @@ def test_experience_is_collected_then_replayed_with_behaviour_logprobs():
         for t in e["trajectories"]
     }
     out = _step(module, cb, second, seed=1)
-    replayed = len(cb._replayed)
-    assert replayed == min(len(before), 2) and cb._batch.prompt_ids[:2] == ["n0", "n1"]
+    pooled = [b for b, pid in enumerate(cb._batch.prompt_ids) if not pid.startswith("n")]
+    assert len(pooled) == min(len(before), 2) and cb._batch.prompt_ids[:2] == ["n0", "n1"]
     rows = [i for i, s in enumerate(out.rollouts.sources) if s == "experience"]
-    assert len(rows) == replayed and all(r // 4 in cb._replayed for r in rows)
+    assert [r // 4 for r in rows] == pooled
+    assert all(r % 4 == 3 for r in rows)  # ExGRPO: G - 1 samples, the trajectory appended
     for row in rows:
         n = int(out.rollouts.completion_mask[row].sum())
         stored = before[tuple(out.rollouts.completion_ids[row, :n].tolist())]

@@ -109,3 +109,44 @@ def test_lightning_does_not_replace_the_sampler_of_the_prompt_stream():
     # The hazard it avoids: a map-style dataset of prompts would be re-split by a sampler.
     val = prepare(dm.val_dataloader(), shuffle=False, mode=RunningStage.VALIDATING)
     assert isinstance(val.sampler, DistributedSampler)
+
+
+def never(completions: list[str], answer: list[str], **_: object) -> list[float]:
+    """Correct only for the ground-truth reference's boxed answer: every sample is wrong."""
+    return [float(f"\\boxed{{{a}}}" in c) for c, a in zip(completions, answer, strict=True)]
+
+
+def test_an_all_wrong_group_reaches_the_injection_hook_before_dynamic_sampling_judges_it():
+    from rlvr_lightning.callbacks import GroundTruthInjection
+
+    class Seen(GroundTruthInjection):
+        """Records the sampled outcome of every group the hook receives."""
+
+        def __init__(self) -> None:
+            super().__init__(reward_capping=False)
+            self.seen: list[int] = []  # sampled correct count per group
+
+        def on_after_score(self, trainer, module, scored):
+            g = scored.rollouts.group_size
+            self.seen += scored.sampled_correct.view(-1, g).sum(1).tolist()
+            return super().on_after_score(trainer, module, scored)
+
+    pl.seed_everything(0)
+    seen, record = Seen(), Record()
+    model = RLVRModule(
+        "tiny:0",
+        reward_fns=[never],
+        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+        dynamic_sampling=True,
+        max_gen_rounds=2,
+        micro_batch_size=16,
+    )
+    dm = RLVRDataModule(train_size=40, val_size=4, prompts_per_step=4)
+    quiet_trainer(max_steps=2, callbacks=[seen, record]).fit(model, datamodule=dm)
+    assert seen.seen == [0] * 8  # every group all wrong, and each one reached the hook
+    for m in record.metrics:
+        # The references made each group informative: no extra round, all groups trained.
+        assert m["dynamic/rounds"] == 0 and m["trained_group_frac"] == 1.0
+        assert m["accuracy"] == 0.0 and m["accuracy_with_offpolicy"] == 0.25
+    assert seen.injected_total == 8
+    assert all(r.pass_rate == 0.0 for r in dm.stats.records.values())

@@ -174,14 +174,3 @@ def test_ranks_compose_the_same_global_step_and_keep_disjoint_slices():
             report(dm, union, step)
     assert ranks[0].state_dict() == ranks[1].state_dict()
     assert any(ranks[0].stats.get(p).reused for p in ranks[0].stats)
-
-
-def test_injected_members_do_not_count_in_pass_rates():
-    out = StepOutput(
-        step=0, prompt_ids=["a"], group_size=4, rewards=torch.tensor([[1.0, 0, 0, 1.0]]),
-        correct=torch.tensor([[True, False, False, True]]), lengths=torch.ones(1, 4),
-        pass_rate=torch.tensor([0.25]), group_variance=torch.tensor([1 / 3]),
-        sampled=torch.tensor([[True, True, True, False]]),  # the last member was injected
-    )  # fmt: skip
-    (o,) = observations(out)
-    assert (o.num_correct, o.group_size) == (1, 3)

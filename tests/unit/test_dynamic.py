@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rlvr_lightning.dynamic import (
@@ -62,6 +64,25 @@ def test_concat_scored_keeps_rows_aligned():
     assert c.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
     assert c.correct.tolist() == [True, False, False, False]
     assert c.per_function["acc"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert c.baseline_mask is None and c.advantage_cap is None
+
+
+def test_concat_scored_carries_what_hooks_set_on_either_side():
+    # Round a: a hook injected into row 1 (now correct, out of the baseline, capped at 0.5).
+    a = dataclasses.replace(
+        scored(rollouts(1, 2, 2), [1.0, 0.0]),
+        correct=torch.tensor([True, True]),
+        baseline_mask=torch.tensor([True, False]),
+        advantage_cap=torch.tensor([float("inf"), 0.5]),
+        sampled_correct=torch.tensor([True, False]),
+        sampled_rewards=torch.tensor([1.0, 0.0]),
+    )
+    b = scored(rollouts(1, 2, 2), [0.0, 1.0])  # round b: untouched, no snapshot set
+    c = concat_scored(a, b, PAD)
+    assert c.baseline_mask.tolist() == [True, False, True, True]
+    assert c.advantage_cap.tolist() == [float("inf"), 0.5, float("inf"), float("inf")]
+    assert c.sampled_correct.tolist() == [True, False, False, True]
+    assert c.sampled_rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_keep_first_truncates_to_the_target():

@@ -17,9 +17,9 @@ from rlvr_lightning.experience import ExperiencePool, Trajectory, bucket_probabi
 from rlvr_lightning.offpolicy import (
     Member,
     finish_source_metrics,
+    guidance_slots,
     mixed_advantages,
     replace_rows,
-    replacement_slots,
     source_loss_terms,
 )
 from rlvr_lightning.types import Rollouts, Scored
@@ -136,12 +136,38 @@ def test_member_validation():
         Member(row=0, source="experience", token_ids=[1, 2], behaviour_logp=[0.0])
 
 
-def test_replacement_slots_prefer_incorrect_from_the_end():
+def test_replace_last_slots_prefer_incorrect_from_the_end():
     correct = [False, True, False, True]
     on = [True, True, True, True]
-    assert replacement_slots(correct, on, 1) == [2]
-    assert replacement_slots(correct, on, 3) == [2, 0, 3]
-    assert replacement_slots(correct, [True, True, False, True], 2) == [0, 3]
+    assert guidance_slots(correct, on, 1, "replace_last") == [2]
+    assert guidance_slots(correct, on, 3, "replace_last") == [2, 0, 3]
+    assert guidance_slots(correct, [True, True, False, True], 2, "replace_last") == [0, 3]
+
+
+def test_append_slots_are_the_last_on_policy_positions_whatever_their_outcome():
+    # LUFFY/ExGRPO: the group trains on samples 0..G-k-1 plus k members at the end, even when
+    # the last samples are correct and an earlier one is wrong.
+    correct = [False, True, True, True]
+    assert guidance_slots(correct, [True] * 4, 1, "append") == [3]
+    assert guidance_slots(correct, [True] * 4, 2, "append") == [2, 3]
+    # A position an earlier callback already filled is skipped.
+    assert guidance_slots(correct, [True, True, True, False], 1, "append") == [2]
+
+
+def test_replace_random_picks_incorrect_slots_not_always_the_last():
+    correct = [False, False, False, False, True, False, False, False]  # 7 wrong of 8
+    rng = random.Random(0)
+    picks = [guidance_slots(correct, [True] * 8, 1, "replace_random", rng)[0] for _ in range(40)]
+    assert all(not correct[i] for i in picks)
+    assert len(set(picks)) > 3 and any(p != 7 for p in picks)
+    # min(k, #incorrect): one wrong sample, two members asked for.
+    assert guidance_slots([True, False, True], [True] * 3, 2, "replace_random", rng) == [1]
+    same = [
+        guidance_slots(correct, [True] * 8, 2, "replace_random", random.Random(5)) for _ in "ab"
+    ]
+    assert same[0] == same[1]  # seeded: reproducible
+    with pytest.raises(ValueError, match="random generator"):
+        guidance_slots(correct, [True] * 8, 1, "replace_random")
 
 
 def test_source_metrics_loss_share_and_advantage():
