@@ -6,7 +6,8 @@ trajectory) and :func:`inject` puts each in the slot of one sampled row of its g
 and everything downstream (advantages, the update) works unchanged; the prompt's outcome is
 read from the snapshot taken before any hook (``outcomes.py``). The injected rows carry a
 source tag, a token-level ``offpolicy_mask`` and, optionally, stored behaviour log-probs; the
-update weights their tokens with ``losses.offpolicy_token_loss`` and the module's ``offpolicy_weighting`` option.
+update weights their tokens with ``losses.offpolicy_token_loss`` and the module's
+``offpolicy_weighting`` option.
 """
 
 from __future__ import annotations
