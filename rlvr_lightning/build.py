@@ -25,6 +25,8 @@ def validate_options(h: Mapping[str, Any], estimator: str) -> None:
         raise ValueError(
             "epochs_per_rollout, minibatches_per_rollout and micro_batch_size must all be >= 1."
         )
+    if h["max_steps_without_update"] is not None and h["max_steps_without_update"] < 1:
+        raise ValueError("max_steps_without_update must be >= 1, or null to never stop.")
     if h["offpolicy_baseline"] == "on_policy" and estimator not in ("grpo", "dr_grpo"):
         raise ValueError("offpolicy_baseline: on_policy needs estimator grpo or dr_grpo.")
 
@@ -61,6 +63,9 @@ def policy_update(preset: Preset, h: Mapping[str, Any], loss_fn: Callable | None
         offpolicy_weighting=h["offpolicy_weighting"],
         offpolicy_gamma=h["offpolicy_gamma"],
         offpolicy_exploration=h["offpolicy_exploration"],
+        rollout_correction=h["rollout_correction"],
+        correction_cap=h["rollout_correction_cap"],
+        correction_level=h["rollout_correction_level"],
     )
 
 

@@ -6,6 +6,7 @@ public method a subclass may override. The math lives in ``losses``, ``advantage
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -16,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import MeanMetric
 
-from rlvr_lightning import build, models
+from rlvr_lightning import build, correction, models, ranks
 from rlvr_lightning.dynamic import keep_first, refill_step
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
@@ -25,7 +26,7 @@ from rlvr_lightning.offpolicy import mixed_advantages
 from rlvr_lightning.outcomes import InformativeBy, informative_groups, sampled_rows
 from rlvr_lightning.presets import AlgorithmName, EstimatorName, get_preset
 from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
-from rlvr_lightning.rollout.factory import build_engine
+from rlvr_lightning.rollout.factory import build_engine, engine_dtype, resolve_engine
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
 
 AggMode = Literal[
@@ -84,12 +85,29 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         lora_alpha: LoRA alpha.
         lora_target_modules: modules LoRA wraps (peft names or ``all-linear``).
         max_nonfinite_steps: consecutive skipped non-finite updates before training stops.
+        max_steps_without_update: consecutive rollout steps without an optimiser step (every
+            group filtered out) before training stops with an error, since ``max_steps``
+            counts optimiser steps and would never be reached; None never stops. 50 is this
+            project's choice: a curriculum may filter a few steps, a constant reward all.
         engine: rollout engine: ``hf`` (transformers ``generate`` on the policy itself),
             ``vllm`` (a colocated ``vllm.LLM`` holding its own copy of the weights, synced from
             the policy before the first rollout after each optimiser step) or ``auto``
             (``vllm`` when vLLM is installed, see ``rollout.factory.resolve_engine``).
         engine_kwargs: constructor arguments of the engine (``HFEngine`` or ``VLLMEngine``,
-            e.g. ``gpu_memory_utilization``, ``dtype``, ``enable_sleep``).
+            e.g. ``gpu_memory_utilization``, ``dtype``, ``enable_sleep``). vLLM's ``dtype``
+            follows the trainer's precision unless given (``rollout.factory.engine_dtype``).
+        old_logprobs: where ``π_old`` comes from: ``engine`` (the behaviour log-probs recorded
+            while sampling, no extra forward), ``trainer`` (a no-grad forward of the policy in
+            the update's precision; the behaviour log-probs then only weight the loss) or
+            ``auto`` (``trainer`` when the engine holds its own weights, i.e. vLLM, else
+            ``engine``). See ``correction.py``.
+        rollout_correction: with ``π_old`` from the trainer, how tokens sampled by a
+            different distribution are weighted: ``tis`` (``min(π_old/π_behaviour, cap)``),
+            ``mask`` (drop tokens whose ratio leaves ``[1/cap, cap]``) or ``none``.
+        rollout_correction_cap: the cap ``C`` (2.0, the value the EAD paper's draft and
+            Yao et al. use).
+        rollout_correction_level: ratio per ``token`` or per ``sequence`` (product over the
+            row's tokens).
         offpolicy_weighting: loss weighting of injected (off-policy) tokens, see
             ``losses.offpolicy_token_loss``: ``shaping`` (LUFFY/ExGRPO ``f(w) = w/(w+gamma)``),
             ``mis`` (RL-PLUS) or ``on_policy`` (ratio 1, an advantage-weighted SFT term).
@@ -136,8 +154,13 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | str = "all-linear",
         max_nonfinite_steps: int = 3,
+        max_steps_without_update: int | None = 50,
         engine: Literal["hf", "vllm", "auto"] = "hf",
         engine_kwargs: dict[str, Any] | None = None,
+        old_logprobs: Literal["auto", "engine", "trainer"] = "auto",
+        rollout_correction: Literal["tis", "mask", "none"] = "tis",
+        rollout_correction_cap: float = 2.0,
+        rollout_correction_level: Literal["token", "sequence"] = "token",
         offpolicy_weighting: Literal["shaping", "mis", "on_policy"] = "shaping",
         offpolicy_gamma: float = 0.1,
         offpolicy_exploration: float = 0.5,
@@ -168,9 +191,8 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
             reward_fns, reward_weights, reward_timeout_s, preset.overlong_shaping, sampling
         )
         self.accuracy_reward = build.accuracy_reward_name(accuracy_reward, self.rewards.names)
-        self.engine: RolloutEngine = build_engine(
-            engine, policy, self.policy, self.tokenizer, dtype, engine_kwargs
-        )
+        resolve_engine(engine, policy)  # a missing vLLM is a setup error; built on first use
+        self._engine: RolloutEngine | None = None
         self._engine_synced_at = 0  # global step whose weights the engine holds
         self.val_accuracy, self.val_reward = MeanMetric(), MeanMetric()
         self.val_pass_at_k = (
@@ -180,12 +202,36 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         self.step_batch: PromptBatch | None = None  # prompts of the rows being scored
         self._rollout_step = 0
         self._nonfinite_streak = 0
+        self._no_update_streak = 0  # rollout steps in a row without an optimiser step
         self._round_times = {"gen": 0.0, "score": 0.0}  # this step's seconds, all rounds
 
     @property
     def reference(self) -> torch.nn.Module | None:
         """The frozen reference policy (None when KL is off or LoRA provides it)."""
         return self._reference[0] if self._reference else None
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine, built on first use so that its dtype can follow the trainer's
+        precision (the trainer is attached by then in ``fit``/``validate``)."""
+        if self._engine is None:
+            h = self.hparams
+            precision = str(self._trainer.precision) if self._trainer is not None else None
+            self._engine = build_engine(
+                h.engine,
+                h.policy,
+                self.policy,
+                self.tokenizer,
+                engine_dtype(h.dtype, precision),
+                h.engine_kwargs,
+            )
+        return self._engine
+
+    @property
+    def trainer_old_logprobs(self) -> bool:
+        """Whether ``π_old`` is recomputed by the trainer (see ``old_logprobs``)."""
+        choice = self.hparams.old_logprobs
+        return choice == "trainer" or (choice == "auto" and not self.engine.shares_policy)
 
     def on_fit_start(self) -> None:
         if self.reference is not None:
@@ -273,14 +319,17 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         rows = torch.arange(scored.rollouts.num_rows, device=self.device)  # [N]
         if groups is not None:
             rows = rows[groups.to(self.device).repeat_interleave(scored.rollouts.group_size)]
-        if rows.numel() == 0:
+        # Under DDP every rank takes the same optimiser steps, each with one gradient
+        # all-reduce, so skipping and the mini-batch count follow the rank with most rows.
+        most_rows = int(ranks.over_ranks(self.trainer.strategy, rows.numel(), "max", self.device))
+        if most_rows == 0:
             return {"update/skipped_empty": 1.0}
         opt, sched = self.optimizers(), self.lr_schedulers()
         metrics: dict[str, float] = {}
         h = self.hparams
         for _ in range(h.epochs_per_rollout):
             perm = rows[torch.randperm(rows.numel(), device=rows.device)]
-            for mb in torch.tensor_split(perm, min(h.minibatches_per_rollout, rows.numel())):
+            for mb in torch.tensor_split(perm, min(h.minibatches_per_rollout, most_rows)):
                 opt.zero_grad(set_to_none=True)
                 loss, m = self.updater.accumulate(
                     self.policy,
@@ -289,10 +338,18 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
                     mb,
                     self.reference_logprobs,
                     self.manual_backward,
+                    mean_over_ranks=self._mean_over_ranks,
+                    no_sync=lambda: ranks.no_backward_sync(self.trainer.strategy),
                 )
                 metrics = {**m, "loss": loss}
-                if not math.isfinite(loss):
-                    self._skip_nonfinite(loss)
+                # A finite loss can still give NaN/inf gradients (e.g. a huge lr); under DDP
+                # they are all-reduced already, so every rank takes the same decision.
+                finite_loss = math.isfinite(loss)
+                what, value = (
+                    ("gradient norm", self._grad_norm()) if finite_loss else ("loss", loss)
+                )
+                if not math.isfinite(value):
+                    self._skip_nonfinite(value, what)
                     opt.zero_grad(set_to_none=True)
                     continue
                 self._nonfinite_streak = 0
@@ -301,11 +358,50 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
                         opt, gradient_clip_val=h.grad_clip, gradient_clip_algorithm="norm"
                     )
                 metrics["grad_norm"] = self._grad_norm()
+                self._weights_touched = True  # checkpoints on exception: see lifecycle
                 opt.step()
                 sched.step()
         return metrics
 
     # ---- helpers the stages use ------------------------------------------------------------
+
+    def recompute_old_logprobs(self, scored: Scored) -> tuple[Scored, dict[str, float]]:
+        """Set ``Rollouts.old_logp`` to the trainer's log-probs (injected rows keep their
+        stored ones) and measure the sampler-trainer mismatch on the sampled tokens."""
+        r = scored.rollouts
+        old = correction.trainer_logprobs(self.policy, r, self.hparams.micro_batch_size)
+        sampled = r.completion_mask.float()  # [N, T]
+        if r.offpolicy_mask is not None:
+            old = torch.where(r.offpolicy_mask.bool(), r.behaviour_logp.float(), old)
+            sampled = sampled * (1 - r.offpolicy_mask.float())
+        stats = correction.mismatch_metrics(
+            old, r.behaviour_logp, sampled, self.hparams.rollout_correction_cap
+        )
+        rollouts = dataclasses.replace(r, old_logp=old)
+        return dataclasses.replace(scored, rollouts=rollouts), {
+            f"mismatch/{k}": v for k, v in stats.items()
+        }
+
+    def _mean_over_ranks(self, value: float) -> float:
+        return ranks.over_ranks(self.trainer.strategy, value, "mean", self.device)
+
+    def _check_progress(self, stepped: bool) -> None:
+        """Raise once ``max_steps_without_update`` rollout steps in a row took no optimiser
+        step: ``max_steps`` counts optimiser steps, so such a run would never end. The
+        decision is the same on every rank (``update`` steps or skips on all of them)."""
+        self._no_update_streak = 0 if stepped else self._no_update_streak + 1
+        limit = self.hparams.max_steps_without_update
+        if limit is None or self._no_update_streak < limit:
+            return
+        raise RuntimeError(
+            f"{self._no_update_streak} rollout steps in a row took no optimiser step (rollout "
+            f"step {self._rollout_step}, global step {self.global_step}): every group was "
+            "filtered out (filter_zero_variance / dynamic_sampling: no group's outcome varied; "
+            "or the curriculum's mask), and `trainer.max_steps` counts optimiser steps. Check "
+            "that the rewards can vary (a constant reward never trains), raise "
+            "`sampling.group_size`, lower the curriculum's threshold, or set "
+            "`model.max_steps_without_update` (null: never stop)."
+        )
 
     def reference_logprobs(
         self, compute: Callable[[torch.nn.Module], torch.Tensor]
@@ -334,10 +430,14 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
             self.step_batch = batch
         lap()
         gen_s, score_s = self._round_times["gen"], self._round_times["score"]
+        if self.trainer_old_logprobs:
+            scored, mismatch = self.recompute_old_logprobs(scored)
+            extra_metrics.update(mismatch)
         advantages = self.compute_advantages(scored)
         groups = self.select_groups(batch, scored)  # [B]
         if self.hparams.dynamic_sampling:
             groups = keep_first(groups, target)
+        optimiser_steps = self.global_step
         update_metrics = self.update(scored, advantages, groups)
         update_s = lap()
         output = self.step_output(batch, scored, advantages, update_metrics, groups)
@@ -351,6 +451,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         )
         self.publish(output)
         self._rollout_step += 1
+        self._check_progress(self.global_step > optimiser_steps)
 
     def generate_round(self, batch: PromptBatch) -> Scored:
         """Rollout, score, then the ``on_after_score`` hooks, for one round of prompts.

@@ -99,6 +99,10 @@ class Rollouts:
     # ``offpolicy.py``); their ``behaviour_logp`` is the stored behaviour log-prob, or 0
     # (probability 1) when the behaviour policy is unknown. None means all on-policy.
     offpolicy_mask: torch.Tensor | None = None
+    # [N, T] ``π_old`` recomputed by the trainer when the engine's numerics may differ from the
+    # trainer's (``correction.py``); ``behaviour_logp`` then only weights the loss (TIS). None
+    # means ``behaviour_logp`` is ``π_old``.
+    old_logp: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

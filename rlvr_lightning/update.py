@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from rlvr_lightning.correction import CorrectionLevel, CorrectionMode, correction_weights
 from rlvr_lightning.forward import completion_logprobs, group_microbatches
 from rlvr_lightning.losses import (
     AggMode,
@@ -28,6 +30,13 @@ from rlvr_lightning.ops import masked_mean
 from rlvr_lightning.types import Rollouts
 
 
+def zero_loss(model: nn.Module) -> torch.Tensor:
+    """A loss of exactly 0 that reaches every trainable parameter: its backward adds zero
+    gradients and fires DDP's all-reduce hooks, without a forward that could be non-finite."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.stack([p.sum() for p in params]).sum() * 0.0
+
+
 @dataclass(frozen=True)
 class PolicyUpdate:
     """The policy objective of one mini-batch: loss fn + KL + entropy, aggregated once.
@@ -35,7 +44,10 @@ class PolicyUpdate:
     Micro-batch losses are weighted by their share of the aggregation units (tokens or rows, see
     ``losses.agg_units``), so the accumulated gradient equals the full mini-batch gradient.
     The old log-probs are the behaviour log-probs recorded at generation time (no extra
-    forward): exact for on-policy updates and the correct ``π_old`` for later epochs.
+    forward): exact for on-policy updates and the correct ``π_old`` for later epochs. When the
+    module recomputed ``π_old`` with the trainer (``Rollouts.old_logp``, see ``correction.py``),
+    that is ``π_old`` and each token's loss is weighted by ``rollout_correction`` (``tis``:
+    ``min(π_old / π_behaviour, correction_cap)``; ``mask``; ``none``).
     """
 
     loss_fn: PolicyLossFn
@@ -51,6 +63,9 @@ class PolicyUpdate:
     offpolicy_weighting: OffPolicyWeighting = "shaping"
     offpolicy_gamma: float = 0.1
     offpolicy_exploration: float = 0.5
+    rollout_correction: CorrectionMode = "tis"
+    correction_cap: float = 2.0
+    correction_level: CorrectionLevel = "token"
 
     def accumulate(
         self,
@@ -60,24 +75,42 @@ class PolicyUpdate:
         rows: torch.Tensor,
         reference_logprobs: Callable[[Callable[[nn.Module], torch.Tensor]], torch.Tensor],
         backward: Callable[[torch.Tensor], None],
+        mean_over_ranks: Callable[[float], float] | None = None,
+        no_sync: Callable[[], AbstractContextManager] | None = None,
     ) -> tuple[float, dict[str, float]]:
-        """Backpropagate the loss of ``rows`` (``[n]`` indices); return it and its metrics."""
-        total_units = agg_units(rollouts.completion_mask[rows], self.agg_mode)
-        loss_total, sums = 0.0, {}
+        """Backpropagate the loss of ``rows`` (``[n]`` indices); return it and its metrics.
+
+        Under data parallelism ``mean_over_ranks`` is the mean of a number over the ranks whose
+        gradients DDP averages and ``no_sync`` a context in which a backward does not all-reduce.
+        Micro-batches are then weighted by their units over the ranks' mean unit count, so
+        DDP's mean gradient is the union batch's (one token-mean over all ranks' tokens, not a
+        mean of per-rank means); every rank, one without rows included, runs exactly one
+        synchronising backward, and the returned loss is the union batch's on every rank, so a
+        decision on it is the same everywhere. Metrics stay this rank's own means.
+        """
+        masks = rollouts.completion_mask  # [N, T]
+        local_units = agg_units(masks[rows], self.agg_mode)
+        reduce = mean_over_ranks or float
+        mean_units = reduce(local_units)
         groups = rows // rollouts.group_size  # [n]
-        for micro in group_microbatches(groups, self.micro_batch_size):
-            idx = rows[micro]  # [m]
-            mask = rollouts.completion_mask[idx].float()  # [m, T]
-            weight = agg_units(mask, self.agg_mode) / max(total_units, 1)
-            if weight == 0:
-                continue
+        micros = [rows[m] for m in group_microbatches(groups, self.micro_batch_size)]
+        micros = [idx for idx in micros if agg_units(masks[idx], self.agg_mode) > 0]
+        loss_share, sums = 0.0, {}
+        for i, idx in enumerate(micros):
+            mask = masks[idx].float()  # [m, T]
+            units = agg_units(mask, self.agg_mode)
             loss, metrics = self._micro_loss(
                 model, rollouts, advantages, idx, mask, reference_logprobs
             )
-            backward(loss * weight)
-            loss_total += float(loss.detach()) * weight
+            defer = no_sync is not None and i < len(micros) - 1
+            with no_sync() if defer else nullcontext():
+                backward(loss * (units / mean_units))
+            loss_share += float(loss.detach()) * units / mean_units
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
+                sums[k] = sums.get(k, 0.0) + float(v) * units / local_units
+        if not micros and mean_over_ranks is not None and mean_units > 0:
+            backward(zero_loss(model))  # other ranks train: take part in their all-reduce
+        loss_total = reduce(loss_share) if mean_units > 0 else 0.0
         return loss_total, finish_source_metrics(sums, rollouts, advantages, rows)
 
     def _micro_loss(self, model, rollouts, advantages, idx, mask, reference_logprobs):
@@ -92,9 +125,21 @@ class PolicyUpdate:
             model, *inputs, with_entropy=True, entropy_grad=self.entropy_coef > 0
         )  # [m, T]
         old_logp = rollouts.behaviour_logp[idx]  # [m, T]
+        weights = None
+        if rollouts.old_logp is not None:
+            old_logp = rollouts.old_logp[idx]  # [m, T]
+            weights = correction_weights(
+                old_logp,
+                rollouts.behaviour_logp[idx],
+                mask,
+                self.rollout_correction,
+                self.correction_cap,
+                self.correction_level,
+            )  # [m, T]
         clip = {"clip_low": self.clip_low, "clip_high": self.clip_high, "dual_clip": self.dual_clip}
         if rollouts.offpolicy_mask is None:
             loss_mat, metrics = self.loss_fn(logp, old_logp, advantages[idx], mask, **clip)
+            loss_mat = loss_mat if weights is None else loss_mat * weights
         else:
             loss_mat, metrics = mixed_policy_loss(
                 self.loss_fn,
@@ -108,6 +153,7 @@ class PolicyUpdate:
                 exploration=self.offpolicy_exploration,
                 **clip,
             )
+            loss_mat = loss_mat if weights is None else loss_mat * weights
             metrics = offpolicy_metric_terms(metrics, rollouts.offpolicy_mask[idx], mask)
             tags = [sources_of(rollouts)[i] for i in idx.tolist()]
             metrics.update(source_loss_terms(loss_mat, mask, tags, self.agg_mode, self.norm_len))

@@ -36,6 +36,17 @@ def resolve_engine(engine: EngineName, policy: str) -> Literal["hf", "vllm"]:
     return engine
 
 
+def engine_dtype(policy_dtype: str, precision: str | None) -> str:
+    """The dtype an engine holding its own weights runs in: the trainer's compute precision
+    (``bf16-mixed`` / ``bf16-true`` -> ``bfloat16``, ``16-mixed`` / ``16-true`` -> ``float16``),
+    else the policy's parameter dtype (no trainer yet, or 32/64-bit precision)."""
+    if precision is not None and precision.startswith("bf16"):
+        return "bfloat16"
+    if precision is not None and precision.startswith("16"):
+        return "float16"
+    return policy_dtype
+
+
 def model_folder(policy: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> str:
     """A folder holding the policy's initial weights, for engines that load their own copy."""
     if policy == models.EMBEDDED_DEFAULT:

@@ -182,3 +182,33 @@ def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):
     r = module.engine.generate(ids, mask, Sampling(max_new_tokens=6, temperature=1.0))
     diff = ((_policy_logp(module.policy, r) - r.behaviour_logp) * r.completion_mask).abs().max()
     assert diff < 1e-3
+
+
+def test_bf16_mixed_fit_takes_pi_old_from_the_trainer(folder):
+    """The vLLM quickstart in bf16-mixed did not learn: the engine's fp32 log-probs were π_old.
+    Now the engine runs in the trainer's precision and π_old is the trainer's log-prob."""
+    import dataclasses
+
+    module = RLVRModule(
+        str(folder),
+        reward_fns=[digit_fraction],
+        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+        micro_batch_size=8,
+        lr=1e-3,
+        engine="vllm",
+        engine_kwargs={"kv_cache_gb": KV_GB},
+    )
+    seen = []
+    loss_fn = module.updater.loss_fn
+
+    def spy(logp, old_logp, advantages, mask, **clip):
+        seen.append(float((logp.detach().float() - old_logp.float())[mask.bool()].abs().max()))
+        return loss_fn(logp, old_logp, advantages, mask, **clip)
+
+    module.updater = dataclasses.replace(module.updater, loss_fn=spy)
+    data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+    trainer = quiet_trainer(max_steps=2, precision="bf16-mixed")
+    trainer.fit(module, datamodule=data)
+    assert module.engine.llm.llm_engine.model_config.dtype == torch.bfloat16
+    assert max(seen) < 0.05  # first micro-batch of each step: π_old == the trainer's log-prob
+    assert "train/mismatch/kl" in trainer.logged_metrics

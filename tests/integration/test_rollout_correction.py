@@ -1,0 +1,82 @@
+"""π_old under an engine whose numerics differ from the trainer's (vLLM, another dtype).
+
+``OffsetEngine`` is the HF engine claiming to hold its own weights and reporting behaviour
+log-probs shifted by a constant, as an engine with other kernels or another dtype would; a
+bf16-mixed fit must then use the trainer's log-probs as ``π_old`` and weight by TIS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlvr_lightning import RLVRModule
+from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.rollout.hf import HFEngine
+from rlvr_lightning.testing import digit_fraction, quiet_trainer
+from rlvr_lightning.types import Sampling
+
+OFFSET = 0.3
+
+
+class OffsetEngine(HFEngine):
+    @property
+    def shares_policy(self) -> bool:
+        return False
+
+    def generate(self, *args, **kwargs):
+        r = super().generate(*args, **kwargs)
+        return dataclasses.replace(
+            r, behaviour_logp=(r.behaviour_logp - OFFSET) * r.completion_mask
+        )
+
+
+def _fit(old_logprobs: str, precision: str = "bf16-mixed"):
+    torch.manual_seed(0)
+    module = RLVRModule(
+        "tiny:0",
+        reward_fns=[digit_fraction],
+        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+        micro_batch_size=8,
+        lr=1e-3,
+        old_logprobs=old_logprobs,
+    )
+    module._engine = OffsetEngine(module.policy, module.tokenizer)
+    seen = []
+    loss_fn = module.updater.loss_fn
+
+    def spy(logp, old_logp, advantages, mask, **clip):
+        seen.append((logp.detach().float(), old_logp.detach().float(), mask.bool()))
+        return loss_fn(logp, old_logp, advantages, mask, **clip)
+
+    module.updater = dataclasses.replace(module.updater, loss_fn=spy)
+    data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+    trainer = quiet_trainer(max_steps=2, precision=precision)
+    trainer.fit(module, datamodule=data)
+    return trainer, seen
+
+
+def _old_vs_trainer(seen) -> float:
+    """Largest |π_old - trainer log-prob| over the first micro-batch of each step (before the
+    step's optimiser update, so the trainer's log-probs are still those of π_old)."""
+    return max(float((old - logp)[m].abs().max()) for logp, old, m in seen)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_trainer_old_logprobs_when_the_engine_holds_its_own_weights(precision):
+    trainer, seen = _fit("auto", precision)
+    assert trainer.global_step == 2 and len(seen) == 2  # one micro-batch per step
+    assert _old_vs_trainer(seen) < 0.05 < OFFSET  # π_old is the trainer's, not the engine's
+    logged = trainer.logged_metrics
+    # The mismatch is the engine's offset: ratio e^0.3 on every sampled token.
+    assert float(logged["train/mismatch/ratio_min"]) == pytest.approx(1.3499, abs=0.05)
+    assert float(logged["train/mismatch/capped_frac"]) == 0.0
+    assert float(logged["train/mismatch/kl"]) > 0.03  # k3 of r = e^0.3: 0.0499
+
+
+def test_engine_old_logprobs_inherit_the_engine_offset():
+    trainer, seen = _fit("engine")
+    assert _old_vs_trainer(seen) == pytest.approx(OFFSET, abs=0.05)
+    assert "train/mismatch/kl" not in trainer.logged_metrics

@@ -1,0 +1,65 @@
+"""Rollout correction maths: ratios, TIS weights, masking, mismatch statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlvr_lightning.correction import correction_weights, log_ratio, mismatch_metrics
+from rlvr_lightning.rollout.factory import engine_dtype
+
+LN2 = math.log(2.0)
+# Two rows of three tokens; row 1's last token is padding.
+OLD = torch.tensor([[0.0, -LN2, -1.0], [-2.0, -1.0, 0.0]])
+BEH = torch.tensor([[-LN2, 0.0, -1.0], [-1.0, -1.0 - 2 * LN2, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_token_and_sequence_log_ratio():
+    # Token log-ratios old - beh: row 0: [ln2, -ln2, 0]; row 1: [-1, 2 ln2, (pad) 0].
+    tok = log_ratio(OLD, BEH, "token", MASK)
+    assert torch.allclose(tok, torch.tensor([[LN2, -LN2, 0.0], [-1.0, 2 * LN2, 0.0]]))
+    # Sequence: row sums broadcast over real tokens: row 0: 0; row 1: 2 ln2 - 1.
+    seq = log_ratio(OLD, BEH, "sequence", MASK)
+    assert torch.allclose(seq, torch.tensor([[0.0] * 3, [2 * LN2 - 1, 2 * LN2 - 1, 0.0]]))
+
+
+def test_tis_caps_ratios_and_zeroes_padding():
+    # Ratios: row 0: [2, 1/2, 1]; row 1: [e^-1, 4 -> capped at 2, pad 0].
+    w = correction_weights(OLD, BEH, MASK, "tis", cap=2.0)
+    expected = torch.tensor([[2.0, 0.5, 1.0], [math.exp(-1), 2.0, 0.0]])
+    assert torch.allclose(w, expected)
+
+
+def test_mask_drops_tokens_outside_the_band():
+    # |log ratio| <= ln 2 keeps 2 and 1/2 (boundary included) and 1; e^-1 < 1/2 and 4 > 2 are
+    # out. Padding 0. With cap e^1.5 (|log ratio| at most 2 ln2 = 1.386) all five stay.
+    w = correction_weights(OLD, BEH, MASK, "mask", cap=2.0)
+    assert w.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert correction_weights(OLD, BEH, MASK, "mask", cap=math.exp(1.5)).tolist() == MASK.tolist()
+    assert torch.equal(correction_weights(OLD, BEH, MASK, "none", cap=2.0), MASK)
+    with pytest.raises(ValueError, match="> 1"):
+        correction_weights(OLD, BEH, MASK, "tis", cap=1.0)
+
+
+def test_mismatch_metrics_by_hand():
+    # Five real tokens, ratios r = [2, 1/2, 1, e^-1, 4]; k3 = r - 1 - ln r:
+    # 2: 1 - ln2 = 0.30685; 1/2: -0.5 + ln2 = 0.19315; 1: 0; e^-1: e^-1 - 1 + 1 = 0.36788;
+    # 4: 3 - 2 ln2 = 1.61371. Mean = 2.48159 / 5 = 0.49632. One of five exceeds the cap 3.
+    m = mismatch_metrics(OLD, BEH, MASK, cap=3.0)
+    assert m["kl"] == pytest.approx(0.49632, abs=1e-4)
+    assert m["ratio_min"] == pytest.approx(math.exp(-1))
+    assert m["ratio_max"] == pytest.approx(4.0)
+    assert m["capped_frac"] == pytest.approx(0.2)
+    assert mismatch_metrics(OLD, OLD, MASK, cap=2.0)["kl"] == 0.0
+    assert mismatch_metrics(OLD, BEH, torch.zeros_like(MASK), cap=2.0) == {}
+
+
+def test_engine_dtype_follows_precision():
+    assert engine_dtype("float32", "bf16-mixed") == "bfloat16"
+    assert engine_dtype("float32", "bf16-true") == "bfloat16"
+    assert engine_dtype("float32", "16-mixed") == "float16"
+    assert engine_dtype("float32", "32-true") == "float32"
+    assert engine_dtype("bfloat16", None) == "bfloat16"
