@@ -1,14 +1,23 @@
-"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI, and ``push`` (Hub upload)."""
+"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI, and ``push`` (Hub upload).
+
+Every Trainer gets ``checkpointing.AtomicCheckpointIO`` (unless another CheckpointIO plugin is
+configured) and a ``checkpointing.CheckpointGuard``. Exit codes: 0 done, 1 error, 130 stopped
+by SIGINT, 143 stopped by SIGTERM (128 + signal number, after the on-exception checkpoints).
+"""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn import Module
 from torchmetrics import Metric
 
+from rlvr_lightning import checkpointing
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
 
@@ -27,6 +36,19 @@ class RLVRCLI(LightningCLI):
             default=False,
             help="fit only: validate before and after training and compare.",
         )
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the hyperparameters of `--ckpt_path` first: say which file is
+        # broken (and which one is not) before its torch.load fails with a zip error.
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if path and path not in ("last", "best", "hpc", "registry"):
+            checkpointing.check_loadable(path)
+        super()._parse_ckpt_path()
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        config = {**config, "plugins": checkpointing.with_atomic_io(config.get("plugins"))}
+        return super()._instantiate_trainer(config, checkpointing.with_guard(callbacks))
 
     def _evaluate(self) -> dict[str, float]:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
@@ -83,7 +105,10 @@ def main(args: list[str] | None = None) -> None:
 
         push_command(argv[1:])
         return
-    build_cli(args)
+    try:
+        build_cli(args)
+    except SIGTERMException as stop:  # Lightning's own SIGTERM stop exits 0 otherwise
+        raise SystemExit(143) from stop
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The parts of ``RLVRModule`` around the training step: validation, prediction, the
-optimiser, checkpoint hooks and the non-finite-loss guard. A mixin, so the module file keeps
-only the step's orchestration; it reads the module's attributes (``policy``, ``score``, ...).
+optimiser, checkpoint hooks (one consistent state per checkpoint, finite weights only) and the
+non-finite guard. A mixin, so the module file keeps only the step's orchestration; it reads the
+module's attributes (``policy``, ``score``, ...).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from rlvr_lightning import checkpointing
 from rlvr_lightning.types import PromptBatch, Sampling
 
 log = logging.getLogger("rlvr_lightning.module")
@@ -37,6 +39,12 @@ def plain_hparam(value: Any) -> Any:
 class StepLifecycle(pl.LightningModule):
     """Validation, prediction, optimisation and checkpoint hooks of ``RLVRModule``."""
 
+    # Checkpoint consistency (see `on_save_checkpoint`); class defaults, set per instance.
+    _boundary: dict[str, Any] | None = None  # snapshot of the state at the last step's end
+    _open_step: int | None = None  # `_rollout_step` of the step in progress
+    _weights_touched = False  # an optimiser step ran since `_boundary` was taken
+    _snapshotting = False
+
     def _grad_norm(self) -> float:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         return (
@@ -45,21 +53,36 @@ class StepLifecycle(pl.LightningModule):
             else 0.0
         )
 
-    def _skip_nonfinite(self, loss: float) -> None:
+    def _skip_nonfinite(self, value: float, what: str = "loss") -> None:
         self._nonfinite_streak += 1
         log.warning(
-            "Non-finite loss (%s) at rollout step %d: skipped this optimiser step (%d in a row).",
-            loss,
+            "Non-finite %s (%s) at rollout step %d: skipped this optimiser step (%d in a row).",
+            what,
+            value,
             self._rollout_step,
             self._nonfinite_streak,
         )
         if self._nonfinite_streak >= self.hparams.max_nonfinite_steps:
             raise FloatingPointError(
-                f"The loss was non-finite for {self._nonfinite_streak} optimiser steps in a row. "
-                "Lower `model.lr`, check the reward functions for inf/NaN, or use float32; the "
-                "last checkpoint (and OnExceptionCheckpoint, if configured) holds the state "
-                "before the failure."
+                f"The loss or gradient norm was non-finite for {self._nonfinite_streak} "
+                "optimiser steps in a row. Lower `model.lr`, check the reward functions for "
+                f"inf/NaN, or use float32. {self._last_good_state()}"
             )
+
+    def _last_good_state(self) -> str:
+        """Which checkpoint holds the last good state, for the non-finite error."""
+        trainer = self.trainer
+        newest = checkpointing.describe_newest(checkpointing.checkpoint_dirs(trainer))
+        text = (
+            f"Skipped steps leave the weights alone: they are those of optimiser step "
+            f"{trainer.global_step}; on disk {newest}"
+        )
+        if self._weights_touched:
+            return text + " (no on-exception checkpoint: this step had already updated them)."
+        return text + (
+            "; an on-exception checkpoint, if configured, is written now with the state at the "
+            f"end of rollout step {self._rollout_step - 1} (optimiser step {trainer.global_step})."
+        )
 
     def transfer_batch_to_device(
         self, batch: Any, device: torch.device, dataloader_idx: int
@@ -107,6 +130,55 @@ class StepLifecycle(pl.LightningModule):
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    @property
+    def updating_weights(self) -> bool:
+        """True from the first optimiser step of a rollout step until the step has returned:
+        the weights then belong to a state no checkpoint can describe yet."""
+        return self._weights_touched and self._open_step == self._rollout_step
+
+    def _take_boundary(self) -> None:
+        self._snapshotting = True
+        try:
+            self._boundary = checkpointing.boundary_snapshot(self.trainer)
+        finally:
+            self._snapshotting = False
+        self._weights_touched = False
+
+    def on_train_start(self) -> None:
+        self._take_boundary()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._open_step = self._rollout_step
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # After every callback (ModelCheckpoint included): the state a checkpoint now holds.
+        self._open_step = None
+        self._take_boundary()
+
+    def on_train_end(self) -> None:
+        self._boundary, self._open_step = None, None
+
+    def _exception_save_problem(self, checkpoint: dict[str, Any]) -> str | None:
+        """Make an on-exception checkpoint consistent; return why it cannot be, else None.
+
+        Before the step's first optimiser step the weights still match the snapshot taken when
+        the previous step ended, so the snapshot supplies everything else (RNG, data, callbacks,
+        loops). After it, only a step that has returned is consistent.
+        """
+        if self._boundary is None:
+            return "training had not started, there is nothing new to save"
+        if not self._weights_touched:
+            checkpointing.use_snapshot(checkpoint, self._boundary)
+            return None
+        if self._open_step == self._rollout_step:
+            return (
+                f"interrupted during the weight update of rollout step {self._rollout_step}: "
+                "the weights had changed but the rest of the step had not"
+            )
+        return None
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rlvr_rollout_step"] = self._rollout_step
         # Sampling RNG, so a resumed single-device run draws the rollouts an uninterrupted one
@@ -114,8 +186,25 @@ class StepLifecycle(pl.LightningModule):
         checkpoint["rlvr_rng"] = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             checkpoint["rlvr_rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        if self._snapshotting:
+            return
+        interrupted = self._trainer is not None and self.trainer.interrupted
+        problem = self._exception_save_problem(checkpoint) if interrupted else None
+        bad = checkpointing.nonfinite_tensors(checkpoint.get("state_dict", {}))
+        if bad and problem is None:
+            problem = f"{len(bad)} weight tensors are non-finite (e.g. {bad[0]})"
+            if not interrupted:  # a regular save: fail loudly (on an exception: just skip it)
+                dirs = checkpointing.checkpoint_dirs(self.trainer)
+                raise FloatingPointError(
+                    f"Refusing to save a checkpoint: {problem}; "
+                    f"{checkpointing.describe_newest(dirs)}."
+                )
+        if problem is not None:
+            checkpoint[checkpointing.UNSAFE_KEY] = problem
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if problem := checkpoint.get(checkpointing.UNSAFE_KEY):
+            raise checkpointing.CheckpointError(f"This checkpoint is not consistent: {problem}.")
         self._rollout_step = checkpoint.get("rlvr_rollout_step", 0)
         rng = checkpoint.get("rlvr_rng", {})
         if "cpu" in rng:

@@ -1,0 +1,318 @@
+"""Checkpoints that can be trusted: atomic writes, one consistent state, clear refusals.
+
+- ``AtomicCheckpointIO`` writes to a temporary file in the target's own directory, fsyncs and
+  renames it over the target, so a kill mid-write leaves the previous file intact; it refuses a
+  checkpoint ``RLVRModule.on_save_checkpoint`` marked inconsistent, and names the newest readable
+  checkpoint when asked to load an unreadable one.
+- ``CheckpointGuard`` checks the checkpoint directories are writable before training and turns
+  SIGINT/SIGTERM into a stop at a consistent point, exiting with ``128 + signum`` (130, 143).
+The CLI installs both by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+# Set by `RLVRModule.on_save_checkpoint` on a checkpoint that must not be written (or loaded).
+UNSAFE_KEY = "rlvr_unsafe"
+# Parts of a checkpoint taken live at save time; everything else can come from a snapshot.
+LIVE_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message says which file to use."""
+
+
+class TrainingStopped(SystemExit):
+    """Raised on SIGINT/SIGTERM; its exit code is ``128 + signum``, the shell convention, so a
+    scheduler reads the run as stopped by that signal (Lightning itself exits 0 on SIGTERM)."""
+
+    def __init__(self, signum: int, forced: bool = False) -> None:
+        super().__init__(128 + signum)
+        self.signum, self.forced = signum, forced
+
+
+# ---- state consistency (used by RLVRModule's checkpoint hooks) -----------------------------
+
+
+def boundary_snapshot(trainer: pl.Trainer) -> dict[str, Any]:
+    """Everything a checkpoint holds except the weights, optimiser and schedulers, copied now.
+
+    Taken when a rollout step has ended; the weights are not copied because they only change
+    at ``opt.step()``, which the module records.
+    """
+    full = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return copy.deepcopy({k: v for k, v in full.items() if k not in LIVE_KEYS})
+
+
+def use_snapshot(checkpoint: dict[str, Any], snapshot: dict[str, Any]) -> None:
+    """Replace everything but the live weights/optimiser/schedulers of ``checkpoint``."""
+    live = {k: checkpoint[k] for k in LIVE_KEYS if k in checkpoint}
+    checkpoint.clear()
+    checkpoint.update(copy.deepcopy(snapshot), **live)
+
+
+def nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
+    """Names of floating-point tensors in ``state_dict`` holding NaN or inf."""
+    return [
+        name
+        for name, t in state_dict.items()
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+
+
+# ---- finding good checkpoints ---------------------------------------------------------------
+
+
+def checkpoint_dirs(trainer: pl.Trainer) -> list[Path]:
+    """Directories the trainer's checkpoint callbacks write to (resolved after ``setup``)."""
+    dirs = []
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint | OnExceptionCheckpoint) and cb.dirpath:
+            dirs.append(Path(cb.dirpath))
+    return list(dict.fromkeys(dirs))
+
+
+def readable(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint ``torch.load`` can open (tensors are not read: mmap)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:
+        return False
+    return isinstance(ckpt, dict) and "state_dict" in ckpt and UNSAFE_KEY not in ckpt
+
+
+def newest_good(dirs: Iterable[Path], exclude: Path | None = None) -> Path | None:
+    """The most recently modified readable ``*.ckpt`` in ``dirs`` (other than ``exclude``)."""
+    files = {p.resolve() for d in dirs if d.is_dir() for p in d.glob("*.ckpt") if p.is_file()}
+    files.discard(exclude.resolve() if exclude else None)
+    for path in sorted(files, key=lambda p: p.stat().st_mtime, reverse=True):
+        if readable(path):
+            return path
+    return None
+
+
+def describe_newest(dirs: Iterable[Path], exclude: Path | None = None) -> str:
+    good = newest_good(dirs, exclude)
+    return f"the newest good checkpoint is {good}" if good else "no good checkpoint was found"
+
+
+def check_loadable(path: str | Path) -> None:
+    """Raise ``CheckpointError`` naming ``path`` and the newest good sibling if it is unreadable."""
+    path = Path(path)
+    if path.is_file() and not readable(path):
+        size = path.stat().st_size
+        raise CheckpointError(
+            f"Checkpoint {path} ({size} bytes) is empty, truncated or was refused when written; "
+            f"{describe_newest([path.parent], exclude=path)} (pass it with --ckpt_path)."
+        )
+
+
+# ---- writing --------------------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a temporary file beside the target, fsync, ``os.replace``.
+
+    The temporary file is in the target's directory, not ``TMPDIR``: a rename across
+    filesystems (EXDEV) would force an in-place write. A checkpoint marked with
+    ``UNSAFE_KEY`` is not written (an error is logged instead); remote paths (fsspec) fall back
+    to Lightning's writer.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        path = Path(path) if _is_local_file_protocol(path) else path
+        if checkpoint.get(UNSAFE_KEY):
+            where = Path(path).parent if isinstance(path, Path) else None
+            dirs = [where] if where else []
+            log.error(
+                "Checkpoint %s NOT written: %s. %s.",
+                path,
+                checkpoint[UNSAFE_KEY],
+                describe_newest(dirs).capitalize(),
+            )
+            return
+        if not isinstance(path, Path) or storage_options is not None:
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp makes 0600; checkpoints are shared like other outputs
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(path.parent)
+
+    @override
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if _is_local_file_protocol(path):
+            check_loadable(path)
+        ckpt = super().load_checkpoint(path, *args, **kwargs)
+        if ckpt.get(UNSAFE_KEY):
+            raise CheckpointError(f"Checkpoint {path} was marked unusable: {ckpt[UNSAFE_KEY]}.")
+        return ckpt
+
+
+def with_atomic_io(plugins: Any) -> list[Any]:
+    """``plugins`` (None, one or a list) plus an ``AtomicCheckpointIO`` unless one is given."""
+    from lightning.fabric.plugins import CheckpointIO
+
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+    if not any(isinstance(p, CheckpointIO) for p in plugins):
+        plugins.append(AtomicCheckpointIO())
+    return plugins
+
+
+# ---- before training, and on signals --------------------------------------------------------
+
+
+def check_writable(directory: Path) -> None:
+    """Create ``directory`` and a file in it, or raise ``CheckpointError`` naming it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise CheckpointError(
+            f"Checkpoint directory {directory} is not writable ({err}). Fix its permissions or "
+            "set the checkpoint callback's dirpath (or trainer.default_root_dir) to a "
+            "writable directory."
+        ) from err
+
+
+class CheckpointGuard(Callback):
+    """Makes checkpoints trustworthy around a ``fit``.
+
+    Before training: every checkpoint directory must be writable. During training, SIGINT and
+    SIGTERM stop the run at once unless the weights are being updated; then the stop waits for
+    the step's optimiser steps to end (a second signal stops at once, and the step is not
+    saved). The stop raises ``TrainingStopped`` (exit code ``128 + signum``), so the
+    on-exception checkpoints hold the state at the end of a completed step.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._pending: int | None = None
+        self._stopping = False
+        self._module: Any = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for directory in checkpoint_dirs(trainer):
+            check_writable(directory)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._module, self._pending, self._stopping = pl_module, None, False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        previous = self._previous.get(signum)
+        if signum == signal.SIGTERM and callable(previous):
+            previous(signum, frame)  # Lightning's notifier (forwards to DDP children)
+        name = signal.Signals(signum).name
+        if self._stopping:
+            log.warning("%s received again while saving; the previous checkpoint stays.", name)
+            return
+        if self._pending is not None:
+            log.warning("%s received again: stopping now; this step will not be saved.", name)
+            self._stopping = True
+            raise TrainingStopped(signum, forced=True)
+        if getattr(self._module, "updating_weights", False):
+            self._pending = signum
+            log.warning(
+                "%s received during the weight update: stopping when it ends. Send it again "
+                "to stop now without saving this step.",
+                name,
+            )
+            return
+        self._stop(signum)
+
+    def _stop(self, signum: int) -> None:
+        self._stopping = True
+        log.warning(
+            "%s received: stopping with exit code %d after the on-exception checkpoints.",
+            signal.Signals(signum).name,
+            128 + signum,
+        )
+        raise TrainingStopped(signum)
+
+    def _stop_if_pending(self) -> None:
+        if self._pending is not None and not self._stopping:
+            self._stop(self._pending)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._stop_if_pending()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_if_pending()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_if_pending()
+        self._restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._restore()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        self._previous = {}
+
+
+def with_guard(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` plus a ``CheckpointGuard`` unless one is already there."""
+    if any(isinstance(cb, CheckpointGuard) for cb in callbacks):
+        return callbacks
+    return [*callbacks, CheckpointGuard()]
