@@ -5,6 +5,7 @@ from rlvr_lightning.data.datamodule import RLVRDataModule
 from rlvr_lightning.data.mixture import SourceSpec
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import (
+    DataError,
     Example,
     examples_from_rows,
     holdout_split,
@@ -26,6 +27,7 @@ from rlvr_lightning.data.tasks import (
 )
 
 __all__ = [
+    "DataError",
     "Example",
     "MemoryBank",
     "Observation",

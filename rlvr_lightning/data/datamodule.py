@@ -24,8 +24,9 @@ from rlvr_lightning.data.mixture import (
     AnswerFormat,
     SourceSpec,
     apply_answer_format,
-    drop_long_prompts,
+    limit_prompts,
     mixture_splits,
+    model_prompt_limit,
     source_specs,
     validate_source,
 )
@@ -111,7 +112,11 @@ class RLVRDataModule(pl.LightningDataModule):
         answer_format: ``plain``, ``gsm8k`` (answer after ``####``) or ``boxed`` (last
             ``\\boxed{}`` of the solution column); see ``SourceSpec``.
         max_prompt_tokens: prompts longer than this (under the module's tokenizer, without
-            the chat template) are skipped with a warning that counts them; None keeps all.
+            the chat template) are skipped with a warning that counts them. None (default)
+            derives the limit from the RLVRModule in the Trainer: the model's
+            ``max_position_embeddings`` minus the larger ``max_new_tokens`` of ``sampling`` and
+            ``val_sampling`` minus the chat template's tokens, at most ``PROMPT_TOKEN_CAP``
+            (4096); without such a module, None keeps all.
         system_prompt: content of a system message placed before every prompt.
         instruction: text appended to every question after a blank line; ``null`` for none.
         prompts_per_step: prompts per training step on each device.
@@ -174,6 +179,7 @@ class RLVRDataModule(pl.LightningDataModule):
         self._served: set[str] = set()  # prompts of the current step served as replays
         self._pending: dict[str, Any] | None = None  # state before the untrained current step
         self._restored_num_train: int | None = None
+        self.skipped_long_prompts: dict[str, int] = {}  # per split, set at setup
 
     # --- data ----------------------------------------------------------------------------
 
@@ -193,11 +199,31 @@ class RLVRDataModule(pl.LightningDataModule):
             loaded = load_examples(self.val_source, first.columns)
             loaded = apply_answer_format(loaded, first.answer_format, self.val_source)
             val = drop_overlap(loaded, train, "validation")
-        if self.max_prompt_tokens is not None:
-            count = self._token_counter()
-            train = drop_long_prompts(train, count, self.max_prompt_tokens, "training")
-            val = drop_long_prompts(val, count, self.max_prompt_tokens, "validation")
+        limit = self._prompt_limit()
+        if limit is None:
+            return train, val
+        train, val, self.skipped_long_prompts = limit_prompts(
+            train, val, self._token_counter(), *limit
+        )
         return train, val
+
+    def _prompt_limit(self) -> tuple[int, str] | None:
+        """The prompt token limit and the reason the warning gives; None: no limit."""
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
+        module = None if self.trainer is None else self.trainer.lightning_module
+        return model_prompt_limit(module, self._template_tokens)
+
+    def _template_tokens(self, tokenizer: Any) -> int:
+        """Tokens the chat template, system prompt and instruction add around a question."""
+        messages = to_messages("", self.system_prompt, self.instruction)
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except ValueError:  # no chat template: encoding the prompts fails with its own error
+            return 0
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
 
     def _token_counter(self) -> Any:
         tokenizer = getattr(getattr(self.trainer, "lightning_module", None), "tokenizer", None)

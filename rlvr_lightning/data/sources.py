@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,16 @@ DEFAULT_COLUMNS: Mapping[str, str] = {"prompt": "prompt", "answer": "answer"}
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
 COLUMNS_HINT = "set the `columns` mapping of RLVRDataModule (CLI: --data.columns)"
+_BOM = b"\xef\xbb\xbf"
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of U+D800..U+DFFF
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class DataError(ValueError):
+    """A dataset the loader cannot use; the message names the file (and line) and the fix.
+
+    A ``ValueError``, so existing handlers still catch it; a CLI can print just the message.
+    """
 
 
 @dataclass(frozen=True)
@@ -59,25 +70,78 @@ def source_name(path: str | Path) -> str:
     return Path(path).stem
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines file; blank lines are skipped, a bad line names file and line."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+def _decode_line(raw: bytes, path: str | Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x}, byte {e.start + 1} of "
+            "the line). Re-encode the file as UTF-8, e.g. `iconv -f <its encoding> -t utf-8 "
+            "in.jsonl > out.jsonl` (cp1252 or latin1 for files saved by older Windows tools)."
+        ) from None
+
+
+def _replace_surrogates(value: Any) -> tuple[Any, int]:
+    """``value`` with lone UTF-16 surrogates (in strings, keys included) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.subn("\ufffd", value)
+    if isinstance(value, list):
+        pairs = [_replace_surrogates(v) for v in value]
+        return [v for v, _ in pairs], sum(n for _, n in pairs)
+    if isinstance(value, dict):
+        keys, in_keys = _replace_surrogates(list(value))
+        values, in_values = _replace_surrogates(list(value.values()))
+        return dict(zip(keys, values, strict=True)), in_keys + in_values
+    return value, 0
+
+
+def _parse_line(raw: bytes, path: str | Path, lineno: int) -> dict[str, Any]:
+    try:
+        row = json.loads(_decode_line(raw, path, lineno))
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}). Each line must hold "
+            "one complete JSON object."
+        ) from None
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}. Write "
+            'one object per line, e.g. {"prompt": "...", "answer": "..."}.'
+        )
+    return row
+
+
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of a JSON-lines file; blank lines and a UTF-8 BOM are skipped.
+
+    Invalid UTF-8 or JSON raises a ``DataError`` naming file and line. A lone surrogate
+    escape (``"\\ud800"``: valid JSON, but no UTF-8 text can hold it, so the tokenizer would
+    fail later) is replaced by U+FFFD, with one warning counting the rows (this project's
+    choice: it is usually a cut emoji, and the rest of the row is fine).
+    """
+    fixed, first = 0, 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            raw = raw.removeprefix(_BOM) if lineno == 1 else raw
+            if not raw.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})."
-                ) from e
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}."
-                )
-            rows.append(row)
-    return rows
+            row = _parse_line(raw, path, lineno)
+            if _SURROGATE_ESCAPE.search(raw):  # cheap test first: rows without escapes are fine
+                row, replaced = _replace_surrogates(row)
+                if replaced:
+                    fixed, first = fixed + 1, first or lineno
+            yield lineno, row
+    if fixed:
+        warnings.warn(
+            f"{path}: replaced lone UTF-16 surrogates (invalid text, e.g. a cut emoji) with "
+            f"U+FFFD in {fixed} rows (first: line {first}). Fix the text to silence this.",
+            stacklevel=2,
+        )
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; see ``jsonl_records`` for what is checked."""
+    return [row for _, row in jsonl_records(path)]
 
 
 def read_parquet(path: str | Path) -> list[dict[str, Any]]:
@@ -146,13 +210,13 @@ def _check_mapping(row: Mapping[str, Any], mapping: Mapping[str, str], where: st
     """Raise when a mapped column is missing or a renamed column would overwrite another."""
     for ours, theirs in mapping.items():
         if theirs not in row:
-            raise ValueError(
+            raise DataError(
                 f"{where}: column {theirs!r} (mapped to {ours!r}) is missing; present columns: "
                 f"{sorted(row)}. To fix, {COLUMNS_HINT}, e.g. columns: {{{ours}: <column>}}."
             )
     clashes = [name for name in mapping if name in row and name not in mapping.values()]
     if clashes:
-        raise ValueError(
+        raise DataError(
             f"{where}: the mapping renames columns onto existing columns {clashes}, which would be "
             f"lost. To fix, {COLUMNS_HINT} so those columns get new names, e.g. "
             f"columns: {{raw_{clashes[0]}: {clashes[0]}}}."
@@ -167,11 +231,21 @@ def _rename(row: Mapping[str, Any], mapping: Mapping[str, str]) -> dict[str, Any
     return renamed
 
 
+def _not_text(where: str, column: str, prompt: object) -> DataError:
+    shown = repr(prompt) if len(repr(prompt)) <= 40 else repr(prompt)[:37] + "..."
+    chat = " (chat-message lists are not supported)" if isinstance(prompt, list) else ""
+    return DataError(
+        f"{where}: the prompt column {column!r} must hold text, got {type(prompt).__name__} "
+        f"{shown}{chat}. To fix, make it a string in this row, or {COLUMNS_HINT} to a text column."
+    )
+
+
 def examples_from_rows(
     rows: Iterable[Mapping[str, Any]],
     source: str,
     origin: str,
     columns: Mapping[str, str] | None = None,
+    lines: Sequence[int] | None = None,
 ) -> list[Example]:
     """Examples from rows through a column mapping; empty prompts are skipped with a warning.
 
@@ -180,21 +254,21 @@ def examples_from_rows(
         source: prefix of the prompt ids.
         origin: where the rows come from (a path), for error messages.
         columns: ``our name -> the dataset's column``; see ``resolve_columns``.
+        lines: the file line of each row (JSONL), so errors say ``origin:line``; else
+            ``origin row i``.
     """
     mapping = resolve_columns(columns)
     examples, empty = [], 0
     for i, row in enumerate(rows, start=1):
-        _check_mapping(row, mapping, f"{origin} row {i}")
+        where = f"{origin}:{lines[i - 1]}" if lines is not None else f"{origin} row {i}"
+        _check_mapping(row, mapping, where)
         fields = _rename(row, mapping)
         prompt = fields.pop("prompt")
         if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
             empty += 1
             continue
         if not isinstance(prompt, str):
-            raise ValueError(
-                f"{origin} row {i}: the prompt column {mapping['prompt']!r} must hold text, got "
-                f"{type(prompt).__name__}. To fix, {COLUMNS_HINT} to a text column."
-            )
+            raise _not_text(where, mapping["prompt"], prompt)
         pid = make_prompt_id(source, prompt, fields.get("answer"))
         examples.append(Example(prompt_id=pid, prompt=prompt, columns=fields))
     if empty:
@@ -202,9 +276,34 @@ def examples_from_rows(
     return examples
 
 
+def _located_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[int] | None]:
+    """Rows of a source and, for a JSONL file, the line each row is on."""
+    if Path(path).suffix == ".jsonl" and Path(path).is_file():
+        records = list(jsonl_records(path))
+        return [row for _, row in records], [lineno for lineno, _ in records]
+    return read_rows(path), None
+
+
 def load_examples(path: str | Path, columns: Mapping[str, str] | None = None) -> list[Example]:
-    """Examples of a ``.jsonl``/``.parquet`` file or a saved ``datasets`` folder."""
-    return examples_from_rows(read_rows(path), source_name(path), str(path), columns)
+    """Examples of a ``.jsonl``/``.parquet`` file or a saved ``datasets`` folder.
+
+    Errors name the file and, for JSONL, the line; a source without rows or without a
+    non-empty prompt raises a ``DataError``.
+    """
+    rows, lines = _located_rows(path)
+    if not rows:
+        raise DataError(
+            f"{path}: holds no rows. Point source at a non-empty dataset (JSONL: one JSON object "
+            "per line) or remove it from the sources."
+        )
+    examples = examples_from_rows(rows, source_name(path), str(path), columns, lines)
+    if not examples:
+        column = resolve_columns(columns)["prompt"]
+        raise DataError(
+            f"{path}: all {len(rows)} rows have an empty prompt column {column!r}. To fix, fill "
+            f"it, or {COLUMNS_HINT} to the column that holds the question."
+        )
+    return examples
 
 
 def holdout_split(

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from rlvr_lightning.data.sources import (
+    DataError,
     Example,
     holdout_split,
     load_examples,
@@ -153,3 +155,87 @@ def test_holdout_split_is_disjoint_seeded_and_drops_duplicates():
 def test_holdout_split_needs_training_rows():
     with pytest.raises(ValueError, match="leaves no training examples"):
         holdout_split([Example("s:0", "q", {})], 1, seed=0)
+
+
+def test_non_utf8_bytes_name_file_line_and_the_fix(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n\n' + '{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    # '{"prompt": "caf' is 15 bytes, so the latin-1 byte of the accent is byte 16 of line 3.
+    where = re.escape(f"{path}:3: not valid UTF-8 (byte 0xe9, byte 16 of the line).")
+    with pytest.raises(DataError, match=f"{where} Re-encode the file as UTF-8") as info:
+        read_rows(path)
+    assert info.value.__suppress_context__  # one short error, no chained UnicodeDecodeError
+
+
+def test_lone_surrogates_are_replaced_and_counted_pairs_and_text_are_kept(tmp_path):
+    path = tmp_path / "s.jsonl"
+    lines = [
+        r'{"prompt": "ok \ud83d\ude00"}',  # a valid pair: one emoji
+        r'{"prompt": "cut \ud83d", "answer": "\udc00"}',  # two lone halves, one row
+        "",
+        r'{"prompt": "\\ud800 is text"}',  # an escaped backslash: plain text, not a surrogate
+        r'{"\ud800key": "v"}',  # in a key
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.warns(UserWarning, match=r"lone UTF-16 surrogates .* in 2 rows \(first: line 2\)"):
+        rows = read_rows(path)
+    assert rows == [
+        {"prompt": "ok \U0001f600"},
+        {"prompt": "cut \ufffd", "answer": "\ufffd"},
+        {"prompt": "\\ud800 is text"},
+        {"\ufffdkey": "v"},
+    ]
+    assert json.dumps(rows, ensure_ascii=False).encode("utf-8")  # every string encodes now
+
+
+def test_utf8_bom_is_ignored(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "Q", "answer": 1}\n')
+    assert [e.prompt for e in load_examples(path)] == ["Q"]
+
+
+def test_row_errors_give_the_file_line_not_the_row_index(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n\n{"question": "b", "answer": 2}\n')
+    with pytest.raises(DataError, match=re.escape(f"{path}:3: column 'prompt'")):
+        load_examples(path)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "shown"),
+    [
+        (42, "got int 42. To fix, make it a string in this row"),
+        ([{"role": "user", "content": "hi"}], "(chat-message lists are not supported)"),
+    ],
+)
+def test_non_text_prompt_names_line_and_the_fix(tmp_path, prompt, shown):
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "a", "answer": 1}, {"prompt": prompt, "answer": 2}]
+    )
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: the prompt column 'prompt'")) as info:
+        load_examples(path)
+    assert shown in str(info.value) and "columns" in str(info.value)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_a_file_without_rows_says_so(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match=re.escape(f"{path}: holds no rows. Point source at")):
+        load_examples(path)
+
+
+def test_an_empty_parquet_file_says_so(tmp_path):
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    with pytest.raises(DataError, match="holds no rows"):
+        load_examples(path)
+
+
+def test_all_prompts_empty_says_which_column(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"q": "", "answer": 1}, {"q": " ", "answer": 2}])
+    with (
+        pytest.warns(UserWarning, match="skipped 2 rows"),
+        pytest.raises(DataError, match="all 2 rows have an empty prompt column 'q'"),
+    ):
+        load_examples(path, {"prompt": "q"})

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.data.mixture import default_prompt_limit
 from rlvr_lightning.data.stream import StepTicket
-from rlvr_lightning.testing import quiet_trainer
+from rlvr_lightning.testing import byte_tokenizer, quiet_trainer
 from rlvr_lightning.types import PromptBatch, StepOutput
 
 # addition with digits=1 and val_size=50 leaves 50 training problems: 6 steps of 8 per epoch.
@@ -183,6 +184,64 @@ def test_too_few_examples_for_a_step():
     dm = make_dm(prompts_per_step=64)
     with pytest.raises(ValueError, match="cannot fill one step of prompts_per_step=64"):
         dm.train_dataloader()
+
+
+def test_default_prompt_limit_leaves_room_for_the_completion_and_is_capped():
+    assert default_prompt_limit(512, 12, 54) == 446  # 512 - 12 - 54
+    assert default_prompt_limit(131_072, 64, 30) == 4096  # a long context: the cap
+    assert default_prompt_limit(None, 64, 30) == 4096  # unknown context: the cap
+    with pytest.raises(ValueError, match=r"leave no room for prompts.*lower sampling"):
+        default_prompt_limit(100, 90, 19)
+
+
+def _attach_model(dm: RLVRDataModule, context: int | None) -> RLVRDataModule:
+    """What the data module reads of an RLVRModule in a Trainer, read-only."""
+    module = SimpleNamespace(
+        policy=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context)),
+        sampling=SimpleNamespace(max_new_tokens=30),
+        val_sampling=SimpleNamespace(max_new_tokens=10),
+        tokenizer=byte_tokenizer(),
+    )
+    dm.trainer = SimpleNamespace(lightning_module=module)
+    return dm
+
+
+def _sized_prompts(tmp_path, sizes):
+    rows = [{"prompt": chr(97 + i) * n, "answer": str(i)} for i, n in enumerate(sizes)]
+    path = tmp_path / "sized.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_default_limit_comes_from_the_model_and_skips_with_a_count(tmp_path):
+    dm = RLVRDataModule(_sized_prompts(tmp_path, [40, 51, 52, 80]), val_size=0, instruction=None)
+    _attach_model(dm, context=100)
+    # Byte tokenizer: one token per byte. The ChatML template around an empty question is
+    # <|im_start|> "user\n" <|im_end|> "\n" <|im_start|> "assistant\n" = 1+5+1+1+1+10 = 19;
+    # the larger max_new_tokens is 30, so 100 - 30 - 19 = 51 prompt tokens fit.
+    expected = "min(4096, context 100 - max_new_tokens 30 - chat template 19)"
+    with pytest.warns(UserWarning, match="Skipped 2 of 4 training prompts longer than 51") as got:
+        dm.setup("fit")
+    assert any(expected in str(w.message) for w in got)
+    assert sorted(len(e.prompt) for e in dm.train_examples) == [40, 51]
+    assert dm.skipped_long_prompts == {"training": 2, "validation": 0}
+
+
+def test_explicit_max_prompt_tokens_wins_over_the_default(tmp_path):
+    source = _sized_prompts(tmp_path, [40, 51, 52, 80])
+    dm = _attach_model(RLVRDataModule(source, val_size=0, max_prompt_tokens=60), context=100)
+    with pytest.warns(UserWarning, match=r"Skipped 1 of 4 training prompts longer than max_prompt"):
+        dm.setup("fit")
+    assert sorted(len(e.prompt) for e in dm.train_examples) == [40, 51, 52]
+
+
+def test_no_context_in_the_config_still_caps_and_all_too_long_is_an_error(tmp_path):
+    dm = _attach_model(RLVRDataModule(_sized_prompts(tmp_path, [4097, 5000]), val_size=0), None)
+    with (
+        pytest.warns(UserWarning, match="Skipped 2 of 2"),
+        pytest.raises(ValueError, match=r"All 2 training prompts are longer than 4096 tokens"),
+    ):
+        dm.setup("fit")
 
 
 class _RecordingModule(pl.LightningModule):
