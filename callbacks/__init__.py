@@ -8,9 +8,12 @@ if __name__ != "rlvr_lightning.callbacks":
         "`rlvr_lightning.callbacks` (install the project, run tests with the `pytest` command)."
     )
 
+from rlvr_lightning.callbacks.adaptive_temperature import AdaptiveTemperature
 from rlvr_lightning.callbacks.export_model import ExportModel
 from rlvr_lightning.callbacks.ground_truth_injection import GroundTruthInjection
 from rlvr_lightning.callbacks.mixed_policy_guidance import MixedPolicyGuidance
 from rlvr_lightning.callbacks.push_to_hub import PushToHub
 
-__all__ = ["ExportModel", "GroundTruthInjection", "MixedPolicyGuidance", "PushToHub"]
+__all__ = [
+    "AdaptiveTemperature",
+    "ExportModel", "GroundTruthInjection", "MixedPolicyGuidance", "PushToHub"]

@@ -10,6 +10,7 @@ from typing import Any
 from rlvr_lightning import models
 from rlvr_lightning.presets import Preset
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
+from rlvr_lightning.rewards.combine import NanPolicy
 from rlvr_lightning.types import Sampling
 from rlvr_lightning.update import PolicyUpdate
 
@@ -75,8 +76,11 @@ def reward_combiner(
     timeout_s: float,
     overlong: bool,
     sampling: Sampling,
+    isolate: bool | Sequence[str] | None = None,
+    nan_policy: NanPolicy = "error",
 ) -> RewardCombiner:
-    """The reward functions (default: boxed accuracy and format) with their weights."""
+    """The reward functions (default: boxed accuracy and format) with their weights; ``isolate``
+    and ``nan_policy`` as in ``RewardCombiner``."""
     fns = list(fns) if fns is not None else [boxed_accuracy, boxed_format]
     weights = list(weights) if weights is not None else [1.0] * len(fns)
     if overlong:
@@ -84,7 +88,7 @@ def reward_combiner(
         budget = sampling.max_new_tokens
         fns.append(OverlongPenalty(max_len=budget, buffer_len=max(budget // 4, 1)))
         weights.append(1.0)
-    return RewardCombiner(fns, weights, timeout_s=timeout_s)
+    return RewardCombiner(fns, weights, timeout_s=timeout_s, isolate=isolate, nan_policy=nan_policy)
 
 
 def accuracy_reward_name(requested: str | None, names: Sequence[str]) -> str:

@@ -14,6 +14,7 @@ Pure maths on ``[N, T]`` tensors plus one stage helper that takes the model and 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -112,3 +113,46 @@ def trainer_logprobs(model: nn.Module, rollouts: Rollouts, micro_batch_size: int
     finally:
         model.train(was_training)
     return out
+
+
+def needs_trainer_logprobs(
+    choice: str, engine_shares_policy: bool, rollouts: Rollouts, base_temperature: float
+) -> bool:
+    """Whether ``π_old`` must come from the trainer: ``choice`` is ``trainer``, or ``auto``
+    and the sampler differs from the trainer (an engine with its own weights, or on-policy
+    rows sampled at a temperature other than ``base_temperature``)."""
+    if choice in ("trainer", "engine"):
+        return choice == "trainer"
+    if choice != "auto":
+        raise ValueError(f"old_logprobs must be 'auto', 'engine' or 'trainer', got {choice!r}.")
+    on = _on_policy(rollouts)  # [N]
+    retempered = bool((rollouts.temperature[on] != base_temperature).any())
+    return not engine_shares_policy or retempered
+
+
+def _on_policy(rollouts: Rollouts) -> torch.Tensor:
+    if rollouts.offpolicy_mask is None:
+        return torch.ones(rollouts.num_rows, dtype=torch.bool, device=rollouts.temperature.device)
+    return ~rollouts.offpolicy_mask.bool().any(-1)
+
+
+def with_trainer_logprobs(
+    model: nn.Module,
+    rollouts: Rollouts,
+    micro_batch_size: int,
+    base_temperature: float,
+    cap: float,
+) -> tuple[Rollouts, dict[str, float]]:
+    """``rollouts`` with ``old_logp`` from the trainer and the on-policy rows' temperature set
+    to ``base_temperature`` (the loss then sees the policy the trainer optimises, whatever
+    temperature each row was sampled at); injected rows keep their stored log-probs and
+    temperatures. Also returns the mismatch metrics over the sampled tokens."""
+    on = _on_policy(rollouts)  # [N]
+    base = torch.full_like(rollouts.temperature, base_temperature)
+    r = dataclasses.replace(rollouts, temperature=torch.where(on, base, rollouts.temperature))
+    old = trainer_logprobs(model, r, micro_batch_size)  # [N, T]
+    sampled = rollouts.completion_mask.float() * on[:, None]  # [N, T]
+    if rollouts.offpolicy_mask is not None:
+        old = torch.where(rollouts.offpolicy_mask.bool(), rollouts.behaviour_logp.float(), old)
+    stats = mismatch_metrics(old, rollouts.behaviour_logp, sampled, cap)
+    return dataclasses.replace(r, old_logp=old), stats

@@ -46,7 +46,15 @@ def concat_prompt_batches(a: PromptBatch, b: PromptBatch) -> PromptBatch:
         n: list(a.columns.get(n, [None] * len(a))) + list(b.columns.get(n, [None] * len(b)))
         for n in names
     }
-    return PromptBatch([*a.prompt_ids, *b.prompt_ids], [*a.messages, *b.messages], columns=columns)
+    temps = None
+    if a.temperatures is not None or b.temperatures is not None:
+        temps = [*(a.temperatures or [None] * len(a)), *(b.temperatures or [None] * len(b))]
+    return PromptBatch(
+        [*a.prompt_ids, *b.prompt_ids],
+        [*a.messages, *b.messages],
+        columns=columns,
+        temperatures=temps,
+    )
 
 
 def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:

@@ -26,6 +26,13 @@ class RLVRCallback(pl.Callback):
         """Before generation: choose or change the prompts of this step."""
         return None
 
+    def on_before_generate(
+        self, trainer: pl.Trainer, module: RLVRModule, batch: PromptBatch
+    ) -> PromptBatch | None:
+        """Before each generation round of a training step (the step's prompts, then each
+        dynamic-sampling round's): set per-prompt sampling options such as ``temperatures``."""
+        return None
+
     def on_after_score(
         self, trainer: pl.Trainer, module: RLVRModule, scored: Scored
     ) -> Scored | None:

@@ -66,6 +66,13 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
             default ``boxed_accuracy`` and ``boxed_format``.
         reward_weights: one weight per reward function (default: all 1).
         reward_timeout_s: seconds a reward function may run before its rows score 0.
+        reward_isolate: which reward functions run in worker processes that are killed and
+            replaced on timeout: None = those marked ``@rewards.run_in_process`` (the built-in
+            ``boxed_accuracy`` and ``answer_accuracy``), true / false = all / none, or a list of
+            reward names. The others run in a thread, abandoned on timeout.
+        reward_nan_policy: a NaN or infinite reward value stops training with an error naming
+            the function (``error``) or scores 0.0 and counts in ``reward/<name>/failures``
+            (``fail``). ``None`` always means "not applicable".
         accuracy_reward: name of the reward that defines "correct" (default: the first).
         accuracy_threshold: a row is correct when that reward is >= this value.
         sampling: training sampling (``group_size`` is G).
@@ -99,8 +106,10 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         old_logprobs: where ``π_old`` comes from: ``engine`` (the behaviour log-probs recorded
             while sampling, no extra forward), ``trainer`` (a no-grad forward of the policy in
             the update's precision; the behaviour log-probs then only weight the loss) or
-            ``auto`` (``trainer`` when the engine holds its own weights, i.e. vLLM, else
-            ``engine``). See ``correction.py``.
+            ``auto`` (``trainer`` when the engine holds its own weights, i.e. vLLM, or when
+            rows were sampled at a temperature other than ``sampling.temperature``; else
+            ``engine``). With ``trainer`` the loss scores every sampled row at
+            ``sampling.temperature``. See ``correction.py``.
         rollout_correction: with ``π_old`` from the trainer, how tokens sampled by a
             different distribution are weighted: ``tis`` (``min(π_old/π_behaviour, cap)``),
             ``mask`` (drop tokens whose ratio leaves ``[1/cap, cap]``) or ``none``.
@@ -136,6 +145,8 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         reward_fns: Sequence[Callable] | None = None,
         reward_weights: Sequence[float] | None = None,
         reward_timeout_s: float = 30.0,
+        reward_isolate: bool | list[str] | None = None,
+        reward_nan_policy: Literal["error", "fail"] = "error",
         accuracy_reward: str | None = None,
         accuracy_threshold: float = 1.0,
         sampling: Sampling = Sampling(max_new_tokens=64, temperature=1.0, group_size=8),
@@ -188,7 +199,13 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         )
         self.updater = build.policy_update(preset, self.hparams, loss_fn)
         self.rewards = build.reward_combiner(
-            reward_fns, reward_weights, reward_timeout_s, preset.overlong_shaping, sampling
+            reward_fns,
+            reward_weights,
+            reward_timeout_s,
+            preset.overlong_shaping,
+            sampling,
+            isolate=reward_isolate,
+            nan_policy=reward_nan_policy,
         )
         self.accuracy_reward = build.accuracy_reward_name(accuracy_reward, self.rewards.names)
         resolve_engine(engine, policy)  # a missing vLLM is a setup error; built on first use
@@ -227,12 +244,6 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
             )
         return self._engine
 
-    @property
-    def trainer_old_logprobs(self) -> bool:
-        """Whether ``π_old`` is recomputed by the trainer (see ``old_logprobs``)."""
-        choice = self.hparams.old_logprobs
-        return choice == "trainer" or (choice == "auto" and not self.engine.shares_policy)
-
     def on_fit_start(self) -> None:
         if self.reference is not None:
             self.reference.to(self.device)
@@ -254,10 +265,15 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         sampling: Sampling | None = None,
         temperatures: torch.Tensor | None = None,
     ) -> Rollouts:
-        """Generate ``G`` completions per prompt (``temperatures``: optional ``[B * G]``)."""
+        """Generate ``G`` completions per prompt (``temperatures``: optional ``[B * G]``;
+        by default the batch's per-prompt ``temperatures`` when sampling is not greedy)."""
+        sampling = sampling or self.sampling
+        if temperatures is None and batch.temperatures is not None and sampling.temperature > 0:
+            per_prompt = [sampling.temperature if t is None else t for t in batch.temperatures]
+            temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
         ids, mask = self.encode_prompts(batch)
         self.sync_engine()
-        return self.engine.generate(ids, mask, sampling or self.sampling, temperatures)
+        return self.engine.generate(ids, mask, sampling, temperatures)
 
     def sync_engine(self) -> None:
         """Load the policy's weights into an engine that holds its own copy (vLLM), once per
@@ -366,19 +382,18 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
     # ---- helpers the stages use ------------------------------------------------------------
 
     def recompute_old_logprobs(self, scored: Scored) -> tuple[Scored, dict[str, float]]:
-        """Set ``Rollouts.old_logp`` to the trainer's log-probs (injected rows keep their
-        stored ones) and measure the sampler-trainer mismatch on the sampled tokens."""
-        r = scored.rollouts
-        old = correction.trainer_logprobs(self.policy, r, self.hparams.micro_batch_size)
-        sampled = r.completion_mask.float()  # [N, T]
-        if r.offpolicy_mask is not None:
-            old = torch.where(r.offpolicy_mask.bool(), r.behaviour_logp.float(), old)
-            sampled = sampled * (1 - r.offpolicy_mask.float())
-        stats = correction.mismatch_metrics(
-            old, r.behaviour_logp, sampled, self.hparams.rollout_correction_cap
+        """``π_old`` from the trainer where the sampler differs from it (``old_logprobs``,
+        ``correction.py``); returns the scored batch and the mismatch metrics."""
+        h, r = self.hparams, scored.rollouts
+        base = self.sampling.temperature
+        if not correction.needs_trainer_logprobs(
+            h.old_logprobs, self.engine.shares_policy, r, base
+        ):
+            return scored, {}
+        r, stats = correction.with_trainer_logprobs(
+            self.policy, r, h.micro_batch_size, base, h.rollout_correction_cap
         )
-        rollouts = dataclasses.replace(r, old_logp=old)
-        return dataclasses.replace(scored, rollouts=rollouts), {
+        return dataclasses.replace(scored, rollouts=r), {
             f"mismatch/{k}": v for k, v in stats.items()
         }
 
@@ -430,9 +445,8 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
             self.step_batch = batch
         lap()
         gen_s, score_s = self._round_times["gen"], self._round_times["score"]
-        if self.trainer_old_logprobs:
-            scored, mismatch = self.recompute_old_logprobs(scored)
-            extra_metrics.update(mismatch)
+        scored, mismatch = self.recompute_old_logprobs(scored)
+        extra_metrics.update(mismatch)
         advantages = self.compute_advantages(scored)
         groups = self.select_groups(batch, scored)  # [B]
         if self.hparams.dynamic_sampling:
@@ -461,6 +475,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         rescues (e.g. an all-wrong one given its reference) is never thrown away first.
         """
         start = time.perf_counter()
+        batch = self._run_hooks("on_before_generate", batch)
         rollouts = self.rollout(batch)
         generated = time.perf_counter()
         scored = self.score(batch, rollouts)

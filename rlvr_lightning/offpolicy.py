@@ -193,6 +193,9 @@ def prompt_rows(batch: PromptBatch, groups: Sequence[int]) -> PromptBatch:
         prompt_ids=[batch.prompt_ids[g] for g in groups],
         messages=[batch.messages[g] for g in groups],
         columns={k: [v[g] for g in groups] for k, v in batch.columns.items()},
+        temperatures=None
+        if batch.temperatures is None
+        else [batch.temperatures[g] for g in groups],
     )
 
 

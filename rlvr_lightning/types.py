@@ -34,6 +34,9 @@ class PromptBatch:
             the module applies the tokenizer's chat template.
         columns: extra per-prompt columns (``answer``, ``solution``, task metadata, ...), each a
             list of length ``B``; reward functions receive them repeated ``G`` times.
+        temperatures: ``[B]`` sampling temperature per prompt (``None`` entries, or no list:
+            the module's ``sampling.temperature``); set by callbacks such as
+            ``AdaptiveTemperature`` in ``on_before_generate``.
 
     Not frozen only because Lightning's precision plugins rebuild dataclass batches field by
     field; treat it as immutable and make a new one to change it.
@@ -42,9 +45,14 @@ class PromptBatch:
     prompt_ids: list[str]
     messages: list[list[dict[str, str]]]
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    temperatures: list[float | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
+        if self.temperatures is not None and len(self.temperatures) != n:
+            raise ValueError(
+                f"PromptBatch.temperatures must have length {n}, got {len(self.temperatures)}."
+            )
         if len(self.messages) != n or any(len(v) != n for v in self.columns.values()):
             lengths = {k: len(v) for k, v in self.columns.items()}
             raise ValueError(

@@ -121,9 +121,14 @@ def test_kl_with_full_finetuning_keeps_a_frozen_copy():
 
 @pytest.mark.parametrize("algorithm", ["dapo", "dr_grpo", "gspo", "cispo"])
 def test_presets_train(algorithm):
-    cli = build_cli(["--config", CONFIG, f"--model.init_args.algorithm={algorithm}"], run=False)
+    # dapo drops groups whose accuracy does not vary, and digit_fraction is rarely 1 (correct)
+    # on the random tiny model: judging by the dense reward makes its groups informative.
+    args = ["--config", CONFIG, f"--model.init_args.algorithm={algorithm}"]
+    if algorithm == "dapo":
+        args.append("--model.init_args.informative=reward")
+    cli = build_cli(args, run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    assert cli.trainer.global_step >= 1 or algorithm == "dapo"
+    assert cli.trainer.global_step >= 1
 
 
 def test_several_epochs_and_minibatches_per_rollout_step_the_optimizer_each_time():

@@ -1,0 +1,67 @@
+"""Two-process DDP on CPU (gloo), each run as a subprocess with a hard timeout, so a deadlock
+fails the test instead of hanging it. The scripts live in ``ddp_scripts.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = str(Path(__file__).with_name("ddp_scripts.py"))
+TIMEOUT_S = 300  # two CPU processes import torch and Lightning in ~30 s on a loaded machine
+
+
+def _run_all(commands: list[list[str]], cwd: Path) -> None:
+    """Run ``commands`` concurrently in their own process groups; kill every group (and the
+    ranks Lightning launched inside it) at the deadline and fail."""
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        for cmd in commands
+    ]
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            assert proc.returncode == 0, out.decode()[-3000:]
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"no result in {TIMEOUT_S} s: the ranks deadlocked") from err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # SIGTERM is handled by Lightning
+                proc.wait()
+
+
+def test_ddp_fit_with_one_rank_fully_filtered_finishes(tmp_path):
+    # Rank 1's groups are all uninformative: it trains on no rows but still joins every
+    # gradient all-reduce, so both ranks take the same 4 optimiser steps with equal weights.
+    out = tmp_path / "fit"
+    _run_all([[sys.executable, SCRIPT, "fit", str(out)]], cwd=tmp_path)
+    results = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
+    for r in results:
+        assert r["global_step"] == 4 and r["rollout_step"] == 2
+        assert r["rank_param_diff"] == 0.0
+    assert results[0]["trained_rows"] == 8 and results[1]["trained_rows"] == 0
+
+
+def test_two_ranks_give_the_union_batch_loss_and_gradient(tmp_path):
+    # Ranks hold unequal token counts (and micro-batch counts); with the unit count averaged
+    # over ranks, DDP's mean gradient is the one-process gradient of the union batch.
+    out, init = tmp_path / "grads.json", tmp_path / "init"
+    _run_all(
+        [[sys.executable, SCRIPT, "grads", str(rank), str(init), str(out)] for rank in (0, 1)],
+        cwd=tmp_path,
+    )
+    result = json.loads(out.read_text())
+    for mode in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "empty_rank"]:
+        assert result[mode]["grad_scale"] > 1e-3, mode
+        assert result[mode]["grad_diff"] < 1e-5 * result[mode]["grad_scale"], mode
+        assert result[mode]["loss_diff"] < 1e-6, mode
+    # Without the shared unit count each rank's own mean is averaged: a different gradient.
+    assert result["token-mean/naive"]["grad_diff"] > 1e-3

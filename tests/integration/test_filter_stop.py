@@ -1,0 +1,32 @@
+"""A run whose groups are all filtered out stops with an error instead of spinning: the
+stopping rule ``max_steps`` counts optimiser steps, which such a run never takes."""
+
+from pathlib import Path
+
+import pytest
+
+from rlvr_lightning.cli import main
+
+CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+# boxed_format is 0 for every completion of the random tiny model: a constant reward, so
+# filter_zero_variance drops every group (the outcome never varies within one).
+CONSTANT = ["--model.init_args.reward_fns=[rlvr_lightning.rewards.boxed_format]"]
+
+
+def test_all_groups_filtered_stops_with_a_clear_error(tmp_path):
+    args = [
+        "fit",
+        "--config",
+        CONFIG,
+        f"--trainer.default_root_dir={tmp_path}",
+        *CONSTANT,
+        "--model.init_args.filter_zero_variance=true",
+        "--model.init_args.max_steps_without_update=3",
+    ]
+    with pytest.raises(RuntimeError, match="3 rollout steps in a row took no optimiser step"):
+        main(args=args)
+
+
+def test_max_steps_without_update_must_be_positive():
+    with pytest.raises(ValueError, match="max_steps_without_update must be >= 1"):
+        main(args=["fit", "--config", CONFIG, "--model.init_args.max_steps_without_update=0"])
