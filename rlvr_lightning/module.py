@@ -6,9 +6,7 @@ public method a subclass may override. The math lives in ``losses``, ``advantage
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -17,16 +15,18 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import MeanMetric
 
-from rlvr_lightning import build, correction, models, ranks
+from rlvr_lightning import build, models
 from rlvr_lightning.dynamic import keep_first, refill_step
+from rlvr_lightning.generation import GenerationStage
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
 from rlvr_lightning.metrics import PassAtK
 from rlvr_lightning.offpolicy import mixed_advantages
+from rlvr_lightning.optimise import UpdateStage
 from rlvr_lightning.outcomes import InformativeBy, informative_groups, sampled_rows
 from rlvr_lightning.presets import AlgorithmName, EstimatorName, get_preset
-from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
-from rlvr_lightning.rollout.factory import build_engine, engine_dtype, resolve_engine
+from rlvr_lightning.rollout.base import RolloutEngine
+from rlvr_lightning.rollout.factory import resolve_engine
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
 
 AggMode = Literal[
@@ -36,7 +36,7 @@ AggMode = Literal[
 log = logging.getLogger(__name__)
 
 
-class RLVRModule(StepLifecycle, pl.LightningModule):
+class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule):
     """GRPO-style RL with verifiable rewards.
 
     Args:
@@ -227,62 +227,11 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
         """The frozen reference policy (None when KL is off or LoRA provides it)."""
         return self._reference[0] if self._reference else None
 
-    @property
-    def engine(self) -> RolloutEngine:
-        """The rollout engine, built on first use so that its dtype can follow the trainer's
-        precision (the trainer is attached by then in ``fit``/``validate``)."""
-        if self._engine is None:
-            h = self.hparams
-            precision = str(self._trainer.precision) if self._trainer is not None else None
-            self._engine = build_engine(
-                h.engine,
-                h.policy,
-                self.policy,
-                self.tokenizer,
-                engine_dtype(h.dtype, precision),
-                h.engine_kwargs,
-            )
-        return self._engine
-
     def on_fit_start(self) -> None:
         if self.reference is not None:
             self.reference.to(self.device)
 
-    # ---- the four stages -------------------------------------------------------------------
-
-    def encode_prompts(self, batch: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the chat template and left-pad: ``([B, P] ids, [B, P] mask)``."""
-        texts = [
-            self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
-            for m in batch.messages
-        ]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
-
-    def rollout(
-        self,
-        batch: PromptBatch,
-        sampling: Sampling | None = None,
-        temperatures: torch.Tensor | None = None,
-    ) -> Rollouts:
-        """Generate ``G`` completions per prompt (``temperatures``: optional ``[B * G]``;
-        by default the batch's per-prompt ``temperatures`` when sampling is not greedy)."""
-        sampling = sampling or self.sampling
-        if temperatures is None and batch.temperatures is not None and sampling.temperature > 0:
-            per_prompt = [sampling.temperature if t is None else t for t in batch.temperatures]
-            temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
-        ids, mask = self.encode_prompts(batch)
-        self.sync_engine()
-        return self.engine.generate(ids, mask, sampling, temperatures)
-
-    def sync_engine(self) -> None:
-        """Load the policy's weights into an engine that holds its own copy (vLLM), once per
-        optimiser step; engines sharing the policy (HF) need nothing."""
-        if self.engine.shares_policy or self._engine_synced_at == self.global_step:
-            return
-        with policy_weights(self.policy) as named:
-            self.engine.load_weights(named)
-        self._engine_synced_at = self.global_step
+    # ---- the stages (rollout: generation.py, update: optimise.py) ---------------------------
 
     def score(self, batch: PromptBatch, rollouts: Rollouts) -> Scored:
         """Run the reward functions; columns are repeated ``G`` times to align with rows."""
@@ -327,106 +276,7 @@ class RLVRModule(StepLifecycle, pl.LightningModule):
             keep = keep if mask is None else keep & mask.cpu()
         return keep
 
-    def update(
-        self, scored: Scored, advantages: torch.Tensor, groups: torch.Tensor | None = None
-    ) -> dict[str, float]:
-        """Optimise the policy on the scored rollouts (``groups``: ``[B]`` bool to use, None:
-        all); returns the step's loss metrics."""
-        rows = torch.arange(scored.rollouts.num_rows, device=self.device)  # [N]
-        if groups is not None:
-            rows = rows[groups.to(self.device).repeat_interleave(scored.rollouts.group_size)]
-        # Under DDP every rank takes the same optimiser steps, each with one gradient
-        # all-reduce, so skipping and the mini-batch count follow the rank with most rows.
-        most_rows = int(ranks.over_ranks(self.trainer.strategy, rows.numel(), "max", self.device))
-        if most_rows == 0:
-            return {"update/skipped_empty": 1.0}
-        opt, sched = self.optimizers(), self.lr_schedulers()
-        metrics: dict[str, float] = {}
-        h = self.hparams
-        for _ in range(h.epochs_per_rollout):
-            perm = rows[torch.randperm(rows.numel(), device=rows.device)]
-            for mb in torch.tensor_split(perm, min(h.minibatches_per_rollout, most_rows)):
-                opt.zero_grad(set_to_none=True)
-                loss, m = self.updater.accumulate(
-                    self.policy,
-                    scored.rollouts,
-                    advantages,
-                    mb,
-                    self.reference_logprobs,
-                    self.manual_backward,
-                    mean_over_ranks=self._mean_over_ranks,
-                    no_sync=lambda: ranks.no_backward_sync(self.trainer.strategy),
-                )
-                metrics = {**m, "loss": loss}
-                # A finite loss can still give NaN/inf gradients (e.g. a huge lr); under DDP
-                # they are all-reduced already, so every rank takes the same decision.
-                finite_loss = math.isfinite(loss)
-                what, value = (
-                    ("gradient norm", self._grad_norm()) if finite_loss else ("loss", loss)
-                )
-                if not math.isfinite(value):
-                    self._skip_nonfinite(value, what)
-                    opt.zero_grad(set_to_none=True)
-                    continue
-                self._nonfinite_streak = 0
-                if h.grad_clip is not None:
-                    self.clip_gradients(
-                        opt, gradient_clip_val=h.grad_clip, gradient_clip_algorithm="norm"
-                    )
-                metrics["grad_norm"] = self._grad_norm()
-                self._weights_touched = True  # checkpoints on exception: see lifecycle
-                opt.step()
-                sched.step()
-        return metrics
-
-    # ---- helpers the stages use ------------------------------------------------------------
-
-    def recompute_old_logprobs(self, scored: Scored) -> tuple[Scored, dict[str, float]]:
-        """``π_old`` from the trainer where the sampler differs from it (``old_logprobs``,
-        ``correction.py``); returns the scored batch and the mismatch metrics."""
-        h, r = self.hparams, scored.rollouts
-        base = self.sampling.temperature
-        if not correction.needs_trainer_logprobs(
-            h.old_logprobs, self.engine.shares_policy, r, base
-        ):
-            return scored, {}
-        r, stats = correction.with_trainer_logprobs(
-            self.policy, r, h.micro_batch_size, base, h.rollout_correction_cap
-        )
-        return dataclasses.replace(scored, rollouts=r), {
-            f"mismatch/{k}": v for k, v in stats.items()
-        }
-
-    def _mean_over_ranks(self, value: float) -> float:
-        return ranks.over_ranks(self.trainer.strategy, value, "mean", self.device)
-
-    def _check_progress(self, stepped: bool) -> None:
-        """Raise once ``max_steps_without_update`` rollout steps in a row took no optimiser
-        step: ``max_steps`` counts optimiser steps, so such a run would never end. The
-        decision is the same on every rank (``update`` steps or skips on all of them)."""
-        self._no_update_streak = 0 if stepped else self._no_update_streak + 1
-        limit = self.hparams.max_steps_without_update
-        if limit is None or self._no_update_streak < limit:
-            return
-        raise RuntimeError(
-            f"{self._no_update_streak} rollout steps in a row took no optimiser step (rollout "
-            f"step {self._rollout_step}, global step {self.global_step}): every group was "
-            "filtered out (filter_zero_variance / dynamic_sampling: no group's outcome varied; "
-            "or the curriculum's mask), and `trainer.max_steps` counts optimiser steps. Check "
-            "that the rewards can vary (a constant reward never trains), raise "
-            "`sampling.group_size`, lower the curriculum's threshold, or set "
-            "`model.max_steps_without_update` (null: never stop)."
-        )
-
-    def reference_logprobs(
-        self, compute: Callable[[torch.nn.Module], torch.Tensor]
-    ) -> torch.Tensor:
-        """Run ``compute`` under the reference policy (LoRA: the adapter disabled)."""
-        with torch.no_grad():
-            if self.reference is not None:
-                return compute(self.reference)
-            with self.policy.disable_adapter():
-                return compute(self.policy)
+    # ---- the step ---------------------------------------------------------------------------
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         clock = [time.perf_counter()]

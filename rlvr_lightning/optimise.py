@@ -1,0 +1,121 @@
+"""Update stage of ``RLVRModule``: ``π_old``, the optimiser steps, the stopping rule.
+
+A mixin, so ``module.py`` keeps the step's orchestration; it reads the module's attributes
+(``policy``, ``updater``, ``hparams``, ``reference``, ``engine``, ...). The maths is in
+``update.PolicyUpdate``, ``losses`` and ``correction``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+
+from rlvr_lightning import correction, ranks
+from rlvr_lightning.types import Scored
+
+
+class UpdateStage(pl.LightningModule):
+    """The ``update`` stage of ``RLVRModule`` and what it needs."""
+
+    def update(
+        self, scored: Scored, advantages: torch.Tensor, groups: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """Optimise the policy on the scored rollouts (``groups``: ``[B]`` bool to use, None:
+        all); returns the step's loss metrics."""
+        rows = torch.arange(scored.rollouts.num_rows, device=self.device)  # [N]
+        if groups is not None:
+            rows = rows[groups.to(self.device).repeat_interleave(scored.rollouts.group_size)]
+        # Under DDP every rank takes the same optimiser steps, each with one gradient
+        # all-reduce, so skipping and the mini-batch count follow the rank with most rows.
+        most_rows = int(ranks.over_ranks(self.trainer.strategy, rows.numel(), "max", self.device))
+        if most_rows == 0:
+            return {"update/skipped_empty": 1.0}
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        metrics: dict[str, float] = {}
+        h = self.hparams
+        for _ in range(h.epochs_per_rollout):
+            perm = rows[torch.randperm(rows.numel(), device=rows.device)]
+            for mb in torch.tensor_split(perm, min(h.minibatches_per_rollout, most_rows)):
+                opt.zero_grad(set_to_none=True)
+                loss, m = self.updater.accumulate(
+                    self.policy,
+                    scored.rollouts,
+                    advantages,
+                    mb,
+                    self.reference_logprobs,
+                    self.manual_backward,
+                    mean_over_ranks=self._mean_over_ranks,
+                    no_sync=lambda: ranks.no_backward_sync(self.trainer.strategy),
+                )
+                metrics = {**m, "loss": loss}
+                # A finite loss can still give NaN/inf gradients (e.g. a huge lr); under DDP
+                # they are all-reduced already, so every rank takes the same decision.
+                finite_loss = math.isfinite(loss)
+                what, value = (
+                    ("gradient norm", self._grad_norm()) if finite_loss else ("loss", loss)
+                )
+                if not math.isfinite(value):
+                    self._skip_nonfinite(value, what)
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                self._nonfinite_streak = 0
+                if h.grad_clip is not None:
+                    self.clip_gradients(
+                        opt, gradient_clip_val=h.grad_clip, gradient_clip_algorithm="norm"
+                    )
+                metrics["grad_norm"] = self._grad_norm()
+                self._weights_touched = True  # checkpoints on exception: see lifecycle
+                opt.step()
+                sched.step()
+        return metrics
+
+    def recompute_old_logprobs(self, scored: Scored) -> tuple[Scored, dict[str, float]]:
+        """``π_old`` from the trainer where the sampler differs from it (``old_logprobs``,
+        ``correction.py``); returns the scored batch and the mismatch metrics."""
+        h, r = self.hparams, scored.rollouts
+        base = self.sampling.temperature
+        if not correction.needs_trainer_logprobs(
+            h.old_logprobs, self.engine.shares_policy, r, base
+        ):
+            return scored, {}
+        r, stats = correction.with_trainer_logprobs(
+            self.policy, r, h.micro_batch_size, base, h.rollout_correction_cap
+        )
+        return dataclasses.replace(scored, rollouts=r), {
+            f"mismatch/{k}": v for k, v in stats.items()
+        }
+
+    def _mean_over_ranks(self, value: float) -> float:
+        return ranks.over_ranks(self.trainer.strategy, value, "mean", self.device)
+
+    def _check_progress(self, stepped: bool) -> None:
+        """Raise once ``max_steps_without_update`` rollout steps in a row took no optimiser
+        step: ``max_steps`` counts optimiser steps, so such a run would never end. The
+        decision is the same on every rank (``update`` steps or skips on all of them)."""
+        self._no_update_streak = 0 if stepped else self._no_update_streak + 1
+        limit = self.hparams.max_steps_without_update
+        if limit is None or self._no_update_streak < limit:
+            return
+        raise RuntimeError(
+            f"{self._no_update_streak} rollout steps in a row took no optimiser step (rollout "
+            f"step {self._rollout_step}, global step {self.global_step}): every group was "
+            "filtered out (filter_zero_variance / dynamic_sampling: no group's outcome varied; "
+            "or the curriculum's mask), and `trainer.max_steps` counts optimiser steps. Check "
+            "that the rewards can vary (a constant reward never trains), raise "
+            "`sampling.group_size`, lower the curriculum's threshold, or set "
+            "`model.max_steps_without_update` (null: never stop)."
+        )
+
+    def reference_logprobs(
+        self, compute: Callable[[torch.nn.Module], torch.Tensor]
+    ) -> torch.Tensor:
+        """Run ``compute`` under the reference policy (LoRA: the adapter disabled)."""
+        with torch.no_grad():
+            if self.reference is not None:
+                return compute(self.reference)
+            with self.policy.disable_adapter():
+                return compute(self.policy)
