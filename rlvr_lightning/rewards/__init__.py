@@ -1,13 +1,17 @@
 """Reward functions and the combiner that weights, isolates and times them out.
 
 A reward function is ``fn(completions: list[str], **columns) -> list[float | None]``; ``None``
-means the function does not apply to that row.
+means the function does not apply to that row. Mark one with ``@run_in_process`` to run it in a
+worker process that is killed and replaced on timeout (the built-in math verifiers are marked).
 """
 
 from __future__ import annotations
 
+from rlvr_lightning.rewards.code import CodeTestsReward, code_tests_pass
 from rlvr_lightning.rewards.combine import RewardCombiner, RewardResult
+from rlvr_lightning.rewards.contract import RewardContractError
 from rlvr_lightning.rewards.format import OverlongPenalty, boxed_format, overlong_penalty
+from rlvr_lightning.rewards.isolation import RewardWorkers, run_in_process
 from rlvr_lightning.rewards.math import (
     answer_accuracy,
     answers_match,
@@ -18,15 +22,20 @@ from rlvr_lightning.rewards.math import (
 )
 
 __all__ = [
+    "CodeTestsReward",
     "OverlongPenalty",
     "RewardCombiner",
+    "RewardContractError",
     "RewardResult",
+    "RewardWorkers",
     "answer_accuracy",
     "answers_match",
     "boxed_accuracy",
     "boxed_format",
+    "code_tests_pass",
     "extract_boxed",
     "last_number",
     "normalize_gold",
     "overlong_penalty",
+    "run_in_process",
 ]

@@ -2,8 +2,10 @@
 
 A reward function is ``fn(completions: list[str], **columns) -> list[float | None]``. The
 combiner hands each function only the columns its signature names (all of them when it takes
-``**kwargs``), turns ``None`` into NaN, and makes sure that a function that raises, returns
-garbage or hangs costs the affected rows their reward instead of stopping training.
+``**kwargs``) and turns ``None`` into NaN. A function that raises on some rows costs those rows
+their reward; one that hangs costs the batch's rows their reward (and, when it runs in a worker
+process, nothing later: the worker is killed). A function that breaks the contract (wrong length,
+wrong type, NaN) stops training with a ``RewardContractError`` naming it.
 """
 
 from __future__ import annotations
@@ -11,18 +13,35 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import numbers
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import pebble
 import torch
+
+from rlvr_lightning.rewards.contract import (
+    Outcome,
+    RewardContractError,
+    RewardFn,
+    call_isolated,
+    coerce,
+)
+from rlvr_lightning.rewards.isolation import (
+    LoadError,
+    RewardWorkers,
+    isolated_names,
+    preload_modules,
+)
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[..., Sequence[Any]]
+NanPolicy = Literal["error", "fail"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +54,9 @@ class RewardResult:
         per_function: name -> ``[N]`` float32 raw value of each function, NaN where it returned
             None; failed or timed-out rows hold 0.0.
         metrics: ``reward/{name}/mean`` for this batch (omitted when no row applies), and since
-            the combiner was built: ``reward/{name}/failures`` (rows that raised or returned
-            garbage) and ``reward/{name}/timeouts`` (calls that ran out of time).
+            the combiner was built: ``reward/{name}/failures`` (rows that raised, lost their
+            worker process, or returned NaN under ``nan_policy="fail"``) and
+            ``reward/{name}/timeouts`` (calls that ran out of time).
     """
 
     total: torch.Tensor  # [N]
@@ -54,19 +74,7 @@ class _Spec:
     columns: frozenset[str] | None  # names it accepts; None means all (it takes **kwargs)
     required: tuple[str, ...]  # columns without a default
     first: str  # name of its completions parameter, never passed as a column
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """What scoring one function on a batch produced."""
-
-    values: list[float | None]
-    failed_rows: int
-    error: BaseException | None  # first error that cost a row its score
-
-
-class _BadReturn(TypeError):
-    """A reward function returned something other than one number or None per completion."""
+    isolated: bool = False  # runs in a worker process
 
 
 def _snake_case(name: str) -> str:
@@ -109,59 +117,21 @@ def _inspect_columns(fn: RewardFn, name: str) -> tuple[frozenset[str] | None, tu
     return (None if takes_all else frozenset(p.name for p in named)), required, first
 
 
-def _as_value(value: object) -> float | None:
-    """One returned value as a float, or None; NaN counts as None (not applicable)."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real):
-        raise _BadReturn(f"expected a float or None per completion, got {type(value).__name__}")
-    result = float(value)
-    if math.isinf(result):
-        raise _BadReturn(f"expected a finite float or None per completion, got {result}")
-    return None if math.isnan(result) else result
+def _wait(future: Future) -> Outcome:
+    """The future's result. Waiting in slices keeps the main thread where a signal handler
+    that raises (SIGINT, a SIGTERM stop) interrupts it at once."""
+    while not future.done():
+        wait([future], timeout=0.5)
+    return future.result()
 
 
-def _coerce(raw: object, n: int) -> list[float | None]:
-    """Check a function's return value: ``n`` floats or Nones."""
-    if isinstance(raw, torch.Tensor):
-        raw = raw.reshape(-1).tolist()
-    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
-        raise _BadReturn(f"expected a list of {n} floats or None, got {type(raw).__name__}")
-    if len(raw) != n:
-        raise _BadReturn(f"expected a list of {n} values (one per completion), got {len(raw)}")
-    return [_as_value(v) for v in raw]
-
-
-def _call(fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]]) -> list[float | None]:
-    return _coerce(fn(completions, **kwargs), len(completions))
-
-
-def _call_isolated(fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]]) -> _Outcome:
-    """Score the batch; if that fails, score row by row so one bad row costs only itself."""
-    try:
-        return _Outcome(_call(fn, completions, kwargs), 0, None)
-    except Exception:  # isolation is the point: the row retry reports the error
-        pass
-    values: list[float | None] = []
-    failed, error = 0, None
-    for i, completion in enumerate(completions):
-        try:
-            values.extend(_call(fn, [completion], {k: [v[i]] for k, v in kwargs.items()}))
-        except Exception as exc:
-            values.append(0.0)
-            failed, error = failed + 1, error or exc
-    return _Outcome(values, failed, error)
-
-
-def _run_with_timeout(task: Callable[[], _Outcome], timeout_s: float, name: str) -> _Outcome | None:
+def _run_with_timeout(task: Callable[[], Outcome], timeout_s: float, name: str) -> Outcome | None:
     """Run ``task`` in a daemon thread; None if it has not finished after ``timeout_s``.
 
     Python cannot kill a thread, so a stuck task is abandoned: it keeps its thread (and any CPU
     it burns) until it returns or the process exits. Daemon threads never block that exit.
     """
-    box: list[_Outcome | BaseException] = []
+    box: list[Outcome | BaseException] = []
 
     def work() -> None:
         try:
@@ -188,10 +158,21 @@ class RewardCombiner:
         names: metric names; default ``fn.__name__``, else ``fn.name``, else the snake_case
             class name, with ``_2``, ``_3``, ... appended to repeats.
         timeout_s: seconds one function may take on one batch before its rows score 0.0;
-            ``None`` or ``0`` calls functions inline without a thread or timeout.
+            ``None`` or ``0``: no timeout (functions in the trainer's process then run inline,
+            without a thread).
+        isolate: which functions run in worker processes that are killed and replaced on
+            timeout: ``None`` = those marked with ``rewards.run_in_process`` (the built-in
+            ``boxed_accuracy`` and ``answer_accuracy``); ``True`` / ``False`` = all / none; a
+            list of names = exactly those. They must be importable (module level). The others
+            run in a thread of the trainer's process, which is abandoned on timeout.
+        nan_policy: a NaN or infinite value is ``error`` (raise ``RewardContractError``) or
+            ``fail`` (the row scores 0.0 and counts in ``reward/{name}/failures``).
+        workers: the process pool isolated functions run in; by default one is started on
+            first use, with one process per isolated function, and stopped by :meth:`close`.
 
-    Functions run one after another, each in its own daemon thread when ``timeout_s`` is set.
-    A function that raises on the batch is retried row by row; rows that still fail score 0.0.
+    Process functions start first and run while the others run, one after another. A function
+    that raises on the batch is retried row by row; rows that still raise score 0.0 and are
+    counted. A return value of the wrong type or length raises ``RewardContractError``.
 
     >>> def short(completions: list[str]) -> list[float]:
     ...     return [float(len(c) < 4) for c in completions]
@@ -211,16 +192,23 @@ class RewardCombiner:
         weights: Sequence[float] | None = None,
         names: Sequence[str] | None = None,
         timeout_s: float | None = 30.0,
+        isolate: bool | Sequence[str] | None = None,
+        nan_policy: NanPolicy = "error",
+        workers: RewardWorkers | None = None,
     ) -> None:
         functions = list(functions)
         weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
         names = self._resolve_names(functions, names)
-        self._check_args(functions, weights, timeout_s)
+        self._check_args(functions, weights, timeout_s, nan_policy)
+        isolated = isolated_names(functions, names, isolate)
         self.timeout_s = timeout_s or None
+        self.nan_policy = nan_policy
         self.specs = tuple(
-            _Spec(fn, name, weight, *_inspect_columns(fn, name))
+            _Spec(fn, name, weight, *_inspect_columns(fn, name), isolated=name in isolated)
             for fn, name, weight in zip(functions, names, weights, strict=True)
         )
+        self._own_workers = workers is None
+        self._workers = workers
         self._failures = dict.fromkeys(names, 0)
         self._timeouts = dict.fromkeys(names, 0)
         self._warned: set[tuple[str, str]] = set()
@@ -228,6 +216,17 @@ class RewardCombiner:
     @property
     def names(self) -> list[str]:
         return [spec.name for spec in self.specs]
+
+    @property
+    def isolated(self) -> list[str]:
+        """Names of the functions that run in worker processes."""
+        return [spec.name for spec in self.specs if spec.isolated]
+
+    def close(self) -> None:
+        """Stop the worker processes this combiner started (a later call starts new ones)."""
+        if self._own_workers and self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     @staticmethod
     def _resolve_names(functions: list[RewardFn], names: Sequence[str] | None) -> list[str]:
@@ -243,7 +242,7 @@ class RewardCombiner:
 
     @staticmethod
     def _check_args(
-        functions: list[RewardFn], weights: list[float], timeout_s: float | None
+        functions: list[RewardFn], weights: list[float], timeout_s: float | None, nan_policy: str
     ) -> None:
         if not functions:
             raise ValueError("RewardCombiner needs at least one reward function.")
@@ -257,12 +256,25 @@ class RewardCombiner:
             )
         if timeout_s is not None and timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 (0 or None disables it); got {timeout_s}.")
+        if nan_policy not in ("error", "fail"):
+            raise ValueError(f"nan_policy must be 'error' or 'fail'; got {nan_policy!r}.")
 
     def __call__(self, completions: list[str], columns: dict[str, list[Any]]) -> RewardResult:
         self._check_columns(len(completions), columns)
-        per_function = {
-            spec.name: self._score(spec, completions, columns) for spec in self.specs
-        }  # name -> [N]
+        futures = {
+            spec.name: self._submit(spec, completions, columns)
+            for spec in self.specs
+            if spec.isolated
+        }
+        try:
+            per_function = {
+                spec.name: self._score(spec, completions, columns, futures.get(spec.name))
+                for spec in self.specs
+            }  # name -> [N]
+        except BaseException:  # a contract error, or a signal stopping the run: kill the rest
+            for future in futures.values():
+                future.cancel()
+            raise
         weighted = torch.stack(
             [spec.weight * per_function[spec.name] for spec in self.specs]
         )  # [F, N]
@@ -290,53 +302,134 @@ class RewardCombiner:
             if k != spec.first and (spec.columns is None or k in spec.columns)
         }
 
+    def _submit(self, spec: _Spec, completions: list[str], columns: dict[str, list[Any]]) -> Future:
+        if self._workers is None:
+            isolated = [s.fn for s in self.specs if s.isolated]
+            processes = max(1, min(len(isolated), os.cpu_count() or 1))
+            self._workers = RewardWorkers(processes, preload_modules(isolated))
+        kwargs = self._kwargs_for(spec, columns)
+        return self._workers.submit(
+            spec.fn, call_isolated, completions, kwargs, timeout=self.timeout_s
+        )
+
     def _score(
-        self, spec: _Spec, completions: list[str], columns: dict[str, list[Any]]
+        self,
+        spec: _Spec,
+        completions: list[str],
+        columns: dict[str, list[Any]],
+        future: Future | None,
     ) -> torch.Tensor:
+        n = len(completions)
+        outcome = (
+            self._collect(spec, future, n)
+            if future is not None
+            else self._run_here(spec, completions, columns)
+        )
+        values = [0.0] * n if outcome is None else self._check(spec, outcome, n)
+        return torch.tensor(
+            [math.nan if v is None else v for v in values], dtype=torch.float32
+        )  # [N]
+
+    def _run_here(
+        self, spec: _Spec, completions: list[str], columns: dict[str, list[Any]]
+    ) -> Outcome | None:
         kwargs = self._kwargs_for(spec, columns)
 
-        def task() -> _Outcome:
-            return _call_isolated(spec.fn, completions, kwargs)
+        def task() -> Outcome:
+            return call_isolated(spec.fn, completions, kwargs)
 
-        outcome = (
-            task() if self.timeout_s is None else _run_with_timeout(task, self.timeout_s, spec.name)
-        )
+        if self.timeout_s is None:
+            return task()
+        outcome = _run_with_timeout(task, self.timeout_s, spec.name)
         if outcome is None:
-            self._timeouts[spec.name] += 1
-            self._warn_timeout(spec.name)
-            outcome = _Outcome([0.0] * len(completions), 0, None)
-        if outcome.failed_rows:
-            self._failures[spec.name] += outcome.failed_rows
-            self._warn_failure(spec.name, outcome)
-        values = [math.nan if v is None else v for v in outcome.values]
-        return torch.tensor(values, dtype=torch.float32)  # [N]
+            self._record_timeout(spec.name, "the thread is abandoned (Python cannot kill threads)")
+        return outcome
 
-    def _warn_timeout(self, name: str) -> None:
-        if (name, "timeout") in self._warned:
-            return
-        self._warned.add((name, "timeout"))
-        logger.warning(
-            "Reward function %r exceeded timeout_s=%s on a batch; its rows score 0.0 and the "
-            "thread is abandoned (Python cannot kill threads). Raise RewardCombiner(timeout_s=...) "
-            "if it is just slow. This warning is shown once per function.",
+    def _collect(self, spec: _Spec, future: Future, n: int) -> Outcome | None:
+        try:
+            return _wait(future)
+        except TimeoutError:
+            self._record_timeout(spec.name, "its worker process was killed and replaced")
+        except pebble.ProcessExpired as exc:
+            self._failures[spec.name] += n
+            self._warn_once(
+                spec.name,
+                "expired",
+                "Reward function %r: its worker process died (exit code %s) while scoring; the "
+                "batch's rows score 0.0 and count as failures.",
+                exc.exitcode,
+            )
+        except BrokenProcessPool as exc:
+            raise RuntimeError(
+                f"Reward function {spec.name!r}: its worker processes exited on start ({exc}). "
+                "They import the main module (multiprocessing's forkserver), so a script must "
+                'start training under `if __name__ == "__main__":`. Or run the function in the '
+                "trainer's process (RewardCombiner(isolate=False), RLVRModule reward_isolate)."
+            ) from exc
+        except LoadError as exc:
+            raise RuntimeError(
+                f"Reward function {spec.name!r} could not be loaded in a worker process ({exc}). "
+                "Define it at module level in an importable module, or run it in the trainer's "
+                "process (RewardCombiner(isolate=...), RLVRModule reward_isolate)."
+            ) from None
+        return None
+
+    def _check(self, spec: _Spec, outcome: Outcome, n: int) -> list[float | None]:
+        if outcome.rows is None:
+            values = coerce(outcome.returned, n, spec.name)
+        else:
+            values = []
+            for i, raw in enumerate(outcome.rows):
+                values += [0.0] if i in outcome.failed else coerce(raw, 1, spec.name, i)
+        if outcome.failed:
+            self._failures[spec.name] += len(outcome.failed)
+            self._warn_once(
+                spec.name,
+                "failure",
+                "Reward function %r raised on %d row(s), which score 0.0; further failures are "
+                "counted in reward/%s/failures without a warning. First error:\n%s",
+                len(outcome.failed),
+                spec.name,
+                outcome.error,
+            )
+        return self._apply_nan_policy(spec.name, values)
+
+    def _apply_nan_policy(self, name: str, values: list[float | None]) -> list[float | None]:
+        bad = {i for i, v in enumerate(values) if v is not None and not math.isfinite(v)}
+        if not bad:
+            return values
+        if self.nan_policy == "error":
+            raise RewardContractError(
+                f"Reward function {name!r} returned {values[min(bad)]} for completion {min(bad)} "
+                f"({len(bad)} of {len(values)} rows); expected a finite float, or None where it "
+                "does not apply. nan_policy='fail' (RLVRModule: reward_nan_policy) scores such "
+                "rows 0.0 and counts them as failures instead."
+            )
+        self._failures[name] += len(bad)
+        self._warn_once(
             name,
+            "nan",
+            "Reward function %r returned NaN or inf on %d row(s), which score 0.0 and count as "
+            "failures (nan_policy='fail').",
+            len(bad),
+        )
+        return [0.0 if i in bad else v for i, v in enumerate(values)]
+
+    def _record_timeout(self, name: str, fate: str) -> None:
+        self._timeouts[name] += 1
+        self._warn_once(
+            name,
+            "timeout",
+            "Reward function %r exceeded timeout_s=%s on a batch; its rows score 0.0 and %s. "
+            "Raise RewardCombiner(timeout_s=...) if it is just slow. Shown once per function.",
             self.timeout_s,
+            fate,
         )
 
-    def _warn_failure(self, name: str, outcome: _Outcome) -> None:
-        if (name, "failure") in self._warned:
-            return
-        self._warned.add((name, "failure"))
-        error = outcome.error
-        logger.warning(
-            "Reward function %r failed on %d row(s), which score 0.0: %s. "
-            "Further failures are counted in reward/%s/failures without a warning.",
-            name,
-            outcome.failed_rows,
-            error,
-            name,
-            exc_info=(type(error), error, error.__traceback__) if error is not None else None,
-        )
+    def _warn_once(self, name: str, kind: str, message: str, *args: object) -> None:
+        if (name, kind) not in self._warned:
+            self._warned.add((name, kind))
+            logger.warning(message, name, *args)
 
     def _metrics(self, per_function: dict[str, torch.Tensor]) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -8,37 +8,48 @@ function does not apply to (here: a row without a gold answer).
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 from fractions import Fraction
 
+from rlvr_lightning.rewards.isolation import run_in_process
+
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A minus sign binds to a number only when it does not follow a word character, so "5-3" yields
-# "3" and a date "2024-01-02" yields "02" rather than negative numbers.
+# "3" and a date "2024-01-02" yields "02" rather than negative numbers. Every match holds a
+# digit: a pattern of optional parts would match an empty string at every position of the text.
 _NUMBER = re.compile(
     r"(?:(?<![\w.])[-\u2212])?"
-    r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)?(?:\.\d+)?(?:(?<=\d)/\d+)?"
+    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:(?<=\d)/\d+)?"
 )
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
 _ABS_TOL = Fraction(1, 10**6)
+# math-verify's own limits (whole seconds: signal.alarm); a legitimate answer takes milliseconds.
+_PARSE_TIMEOUT_S = 3
+_VERIFY_TIMEOUT_S = 3
 
 
-def _balanced_end(text: str, start: int) -> int | None:
-    """Index of the ``}`` closing the group whose ``{`` is at ``start - 1``, else None.
+def _closing_braces(text: str, start: int) -> dict[int, int]:
+    """Index of every ``{`` from ``start`` on -> index of its matching ``}`` (unclosed: absent).
 
-    Escaped braces (``\\{``, ``\\}``) are skipped so that ``\\boxed{\\{1, 2\\}}`` stays whole.
+    One pass, so a completion full of unclosed boxes stays linear. Escaped braces (``\\{``,
+    ``\\}``) are skipped so that ``\\boxed{\\{1, 2\\}}`` stays whole.
     """
-    depth, i = 1, start
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    i = start
     while i < len(text):
         char = text[i]
         if char == "\\":
             i += 2
             continue
-        depth += {"{": 1, "}": -1}.get(char, 0)
-        if depth == 0:
-            return i
+        if char == "{":
+            stack.append(i)
+        elif char == "}" and stack:
+            pairs[stack.pop()] = i
         i += 1
-    return None
+    return pairs
 
 
 def extract_boxed(text: str) -> str | None:
@@ -52,9 +63,11 @@ def extract_boxed(text: str) -> str | None:
     >>> extract_boxed("no box") is None
     True
     """
-    found, pos = None, 0
+    found, pos, pairs = None, 0, None
     while (match := _BOX_OPEN.search(text, pos)) is not None:
-        end = _balanced_end(text, match.end())
+        # A box's "{" never follows a backslash, so matching from the first box on is exact.
+        pairs = _closing_braces(text, match.end() - 1) if pairs is None else pairs
+        end = pairs.get(match.end() - 1)
         if end is None:
             pos = match.end()
             continue
@@ -75,7 +88,7 @@ def last_number(text: str) -> str | None:
     >>> last_number("none") is None
     True
     """
-    numbers = [m.group(0) for m in _NUMBER.finditer(text) if any(c.isdigit() for c in m.group(0))]
+    numbers = _NUMBER.findall(text)
     if not numbers:
         return None
     return numbers[-1].replace(",", "").replace("\u2212", "-")
@@ -110,19 +123,22 @@ def _as_number(text: str) -> Fraction | None:
 
 
 def _symbolic_match(pred: str, gold: str) -> bool:
-    """Equivalence according to math-verify, with its signal-based timeouts disabled.
+    r"""Equivalence according to math-verify, within its own timeouts where they can work.
 
-    math-verify's timeouts use ``signal.alarm``, which fails off the main thread, and
-    ``RewardCombiner`` runs reward functions in worker threads with its own timeout. The import
-    is local because sympy takes about a second to load and the numeric path never needs it.
+    They use ``signal.alarm``, which only works on a process's main thread: on in
+    ``RewardCombiner``'s worker processes (so ``\boxed{9^{9^{9}}}`` costs 3 s, not minutes),
+    off in a thread, where only the combiner's timeout bounds the call. The import is local
+    because sympy takes about a second to load and the numeric path never needs it.
     """
     from math_verify import parse, verify
 
-    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
-    pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=None)
+    on_main = threading.current_thread() is threading.main_thread()
+    parse_s, verify_s = (_PARSE_TIMEOUT_S, _VERIFY_TIMEOUT_S) if on_main else (None, None)
+    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=parse_s)
+    pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=parse_s)
     if not gold_parsed or not pred_parsed:
         return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=verify_s))
 
 
 def answers_match(pred: str, gold: str) -> bool:
@@ -158,6 +174,7 @@ def _score(pred: str | None, answer: object) -> float | None:
     return float(pred is not None and answers_match(pred, gold))
 
 
+@run_in_process(preload=["math_verify"])
 def boxed_accuracy(
     completions: list[str], answer: Sequence[object], **_: object
 ) -> list[float | None]:
@@ -171,6 +188,7 @@ def boxed_accuracy(
     return [_score(extract_boxed(c), a) for c, a in zip(completions, answer, strict=True)]
 
 
+@run_in_process(preload=["math_verify"])
 def answer_accuracy(
     completions: list[str], answer: Sequence[object], **_: object
 ) -> list[float | None]:

@@ -1,4 +1,6 @@
-"""RewardCombiner: weights, None, column filtering, isolation, timeouts (rewards/combine.py)."""
+"""RewardCombiner in the trainer's process: weights, None, column filtering, row isolation,
+thread timeouts and the return-value contract (rewards/combine.py). Worker processes:
+test_rewards_isolation.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner
+from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, RewardContractError
 from rlvr_lightning.rewards import combine as combine_module
 
 LOGGER = "rlvr_lightning.rewards.combine"
@@ -122,26 +124,38 @@ def test_raising_function_isolated_per_row(caplog: pytest.LogCaptureFixture) -> 
     assert second.metrics["reward/length_reward/failures"] == 0.0
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "fails_on_bad" in warnings[0].getMessage()
-    assert warnings[0].exc_info is not None
+    assert "'fails_on_bad' raised on 1 row(s)" in warnings[0].getMessage()
+    assert "RuntimeError: cannot score 'bad'" in warnings[0].getMessage()  # with its traceback
 
 
 @pytest.mark.parametrize(
     ("returned", "match"),
-    [(["x"], "expected a float or None"), ([1.0, 2.0], "expected a list of 1 values")],
+    [
+        (["x"], r"'broken' returned str 'x' for completion 0; expected a float, or None"),
+        ([1.0, 2.0], r"'broken' returned 2 values for 1 completion\(s\); expected one float"),
+        ({"a": 1.0}, r"'broken' returned dict \{'a': 1.0\}; expected a list of 1 float or None"),
+        ("1", r"'broken' returned str '1'; expected a list of 1 float or None"),
+        (None, r"'broken' returned NoneType None; expected a list"),
+    ],
 )
-def test_bad_return_counts_as_failure(
-    returned: list[Any], match: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    def broken(completions: list[str]) -> list[Any]:
+def test_bad_return_raises_naming_the_function(returned: Any, match: str) -> None:
+    def broken(completions: list[str]) -> Any:
         return returned
 
-    combiner = RewardCombiner([broken], timeout_s=None)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        result = combiner(["a"], {})
-    torch.testing.assert_close(result.total, torch.tensor([0.0]))
-    assert result.metrics["reward/broken/failures"] == 1.0
-    assert match in caplog.text
+    combiner = RewardCombiner([length_reward, broken], timeout_s=None)
+    with pytest.raises(RewardContractError, match=match):
+        combiner(["a"], {})
+
+
+def test_bad_return_on_the_row_retry_raises() -> None:
+    def raises_then_garbage(completions: list[str]) -> list[Any]:
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        return ["oops"]
+
+    combiner = RewardCombiner([raises_then_garbage], timeout_s=1.0)
+    with pytest.raises(RewardContractError, match="returned str 'oops' for completion 0"):
+        combiner(["a", "b"], {})
 
 
 def test_hanging_function_times_out(caplog: pytest.LogCaptureFixture) -> None:
@@ -157,10 +171,40 @@ def test_hanging_function_times_out(caplog: pytest.LogCaptureFixture) -> None:
     assert "timeout_s=0.2" in caplog.text
 
 
-def test_tensor_and_nan_returns_accepted() -> None:
+def test_tensor_returns_accepted() -> None:
     def as_tensor(completions: list[str]) -> torch.Tensor:
-        return torch.tensor([1.0, float("nan")])
+        return torch.tensor([[1.0], [0.5]])  # [N, 1] is flattened
 
     result = RewardCombiner([as_tensor])(["a", "b"], {})
-    torch.testing.assert_close(result.total, torch.tensor([1.0, 0.0]))  # NaN means not applicable
-    assert math.isnan(result.per_function["as_tensor"][1])
+    torch.testing.assert_close(result.total, torch.tensor([1.0, 0.5]))
+
+
+def nan_second(completions: list[str]) -> list[float | None]:
+    return [1.0, math.nan, None, math.inf][: len(completions)]
+
+
+def test_nan_is_an_error_by_default() -> None:
+    combiner = RewardCombiner([nan_second], timeout_s=None)
+    with pytest.raises(RewardContractError) as info:
+        combiner(["a", "b", "c", "d"], {})
+    message = str(info.value)
+    assert "'nan_second' returned nan for completion 1 (2 of 4 rows)" in message  # NaN and inf
+    assert "nan_policy='fail'" in message  # says how to opt out
+
+
+def test_nan_policy_fail_scores_zero_and_counts(caplog: pytest.LogCaptureFixture) -> None:
+    combiner = RewardCombiner([nan_second], timeout_s=None, nan_policy="fail")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        result = combiner(["a", "b", "c", "d"], {})
+    # NaN and inf rows score 0.0 and count; None stays "not applicable" (NaN in per_function).
+    torch.testing.assert_close(
+        result.per_function["nan_second"], torch.tensor([1.0, 0.0, math.nan, 0.0]), equal_nan=True
+    )
+    torch.testing.assert_close(result.total, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert result.metrics["reward/nan_second/failures"] == 2.0
+    assert "nan_second" in caplog.text
+
+
+def test_nan_policy_validated() -> None:
+    with pytest.raises(ValueError, match="nan_policy must be 'error' or 'fail'"):
+        RewardCombiner([exact], nan_policy="skip")  # type: ignore[arg-type]

@@ -1,0 +1,95 @@
+"""The reward-function contract: call a function on a batch (row by row if the batch raises)
+and check that it returned one float or None per completion.
+
+``call_isolated`` runs in a worker thread or process; ``coerce`` runs in the trainer's process
+and raises ``RewardContractError`` naming the function.
+"""
+
+from __future__ import annotations
+
+import numbers
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+RewardFn = Callable[..., Sequence[Any]]
+
+
+class RewardContractError(ValueError):
+    """A reward function returned something other than one float or None per completion."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What calling one function on a batch returned, before the values are checked."""
+
+    returned: object  # the batch call's return value, when it did not raise
+    rows: list[object] | None = None  # else each row's return value, called alone
+    failed: tuple[int, ...] = ()  # rows that raised when called alone
+    error: str | None = None  # the first row error, with its traceback
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _plain(raw: object) -> object:
+    """Tensors and arrays as flat lists, so they check (and leave a worker) like lists."""
+    if isinstance(raw, torch.Tensor) or (hasattr(raw, "tolist") and hasattr(raw, "reshape")):
+        return raw.reshape(-1).tolist()  # type: ignore[union-attr]
+    return raw
+
+
+def call_isolated(fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]]) -> Outcome:
+    """Call on the batch; if that raises, call row by row so one bad row costs only itself.
+
+    Runs in a worker thread or process; the return values are checked by the caller.
+    """
+    try:
+        return Outcome(_plain(fn(completions, **kwargs)))
+    except Exception:  # isolation is the point: the row retry reports the error
+        pass
+    rows: list[object] = []
+    failed: list[int] = []
+    error = None
+    for i, completion in enumerate(completions):
+        try:
+            rows.append(_plain(fn([completion], **{k: [v[i]] for k, v in kwargs.items()})))
+        except Exception:
+            rows.append(None)
+            failed.append(i)
+            error = error or traceback.format_exc()
+    return Outcome(None, rows, tuple(failed), error)
+
+
+def _as_value(value: object, name: str, row: int) -> float | None:
+    """One returned value as a float (NaN and inf included) or None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise RewardContractError(
+            f"Reward function {name!r} returned {type(value).__name__} {_short(value)} for "
+            f"completion {row}; expected a float, or None where it does not apply."
+        )
+    return float(value)
+
+
+def coerce(raw: object, n: int, name: str, first_row: int = 0) -> list[float | None]:
+    """Check a return value: ``n`` floats or Nones, else raise naming the function."""
+    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
+        raise RewardContractError(
+            f"Reward function {name!r} returned {type(raw).__name__} {_short(raw)}; expected a "
+            f"list of {n} float or None (one per completion)."
+        )
+    if len(raw) != n:
+        raise RewardContractError(
+            f"Reward function {name!r} returned {len(raw)} values for {n} completion(s); "
+            "expected one float or None per completion."
+        )
+    return [_as_value(v, name, first_row + i) for i, v in enumerate(raw)]
