@@ -16,4 +16,8 @@ from rlvr_lightning.callbacks.push_to_hub import PushToHub
 
 __all__ = [
     "AdaptiveTemperature",
-    "ExportModel", "GroundTruthInjection", "MixedPolicyGuidance", "PushToHub"]
+    "ExportModel",
+    "GroundTruthInjection",
+    "MixedPolicyGuidance",
+    "PushToHub",
+]

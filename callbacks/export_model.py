@@ -11,9 +11,8 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from rlvr_lightning import model_card
 from rlvr_lightning.hooks import RLVRCallback
-from rlvr_lightning.hub import export_pretrained, module_heads
+from rlvr_lightning.hub import export_pretrained, model_card, module_heads
 from rlvr_lightning.types import StepOutput
 
 log = logging.getLogger(__name__)

@@ -1,23 +1,29 @@
-"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI, and ``push`` (Hub upload).
+"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI, ``push`` (Hub upload) and
+``export`` (a checkpoint to a ``from_pretrained`` folder).
 
 Every Trainer gets ``checkpointing.AtomicCheckpointIO`` (unless another CheckpointIO plugin is
-configured) and a ``checkpointing.CheckpointGuard``. Exit codes: 0 done, 1 error, 130 stopped
-by SIGINT, 143 stopped by SIGTERM (128 + signal number, after the on-exception checkpoints).
+configured) and a ``checkpointing.CheckpointGuard``. Exit codes: 0 done, 1 error, 2 bad
+arguments or config, 130 stopped by SIGINT, 143 stopped by SIGTERM (128 + signal number, after
+the on-exception checkpoints). Errors are summarised in a few lines (``cli_errors``);
+``RLVR_TRACEBACK=1`` shows the full traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from argparse import ArgumentError
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torchmetrics import Metric
 
-from rlvr_lightning import checkpointing
+from rlvr_lightning import checkpointing, cli_errors
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
 
@@ -55,6 +61,14 @@ class RLVRCLI(LightningCLI):
         reset_metric_states(self.model)
         return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
+    def fit(self, model: RLVRModule, **kwargs: Any) -> None:
+        # `ckpt_path: last` is meant to be set once and kept ("resume if there is one"); on the
+        # first run Lightning warns that there is none, so say it once, calmly, instead.
+        if kwargs.get("ckpt_path") == "last" and not _has_last_checkpoint(self.trainer):
+            rank_zero_info("ckpt_path=last: no checkpoint yet, training starts from step 0.")
+            kwargs["ckpt_path"] = None
+        self.trainer.fit(model, **kwargs)
+
     def before_fit(self) -> None:
         self._before = self._evaluate() if self._flag() else None
 
@@ -71,6 +85,15 @@ class RLVRCLI(LightningCLI):
         return bool(self.config.get(self.subcommand, {}).get("evaluate_before_after", False))
 
 
+def _has_last_checkpoint(trainer: Trainer) -> bool:
+    """Whether Lightning's ``ckpt_path="last"`` would find a file (its own lookup)."""
+    found: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            found |= callback._find_last_checkpoints(trainer)
+    return any(os.path.exists(path) for path in found)
+
+
 def reset_metric_states(module: Module) -> None:
     """Re-create every torchmetrics state of ``module`` as a normal tensor.
 
@@ -84,8 +107,29 @@ def reset_metric_states(module: Module) -> None:
             metric.reset()
 
 
-def build_cli(args: list[str] | None = None, run: bool = True) -> RLVRCLI:
-    """Parse ``args`` (default: ``sys.argv``) and run the subcommand; returns the CLI object."""
+_OTHER_COMMANDS = (
+    "Other commands: `rlvr-lightning push PATH --repo-id org/name` uploads an export folder or a "
+    "checkpoint to the Hugging Face Hub; `rlvr-lightning export CKPT` writes a checkpoint as a "
+    "from_pretrained folder with its model card (each with --help)."
+)
+_FIT_HELP = (
+    "Runs the full optimization routine. The model and data keys are listed by `rlvr-lightning "
+    "fit --model.help RLVRModule` and `--data.help RLVRDataModule`; `--config FILE "
+    "--print_config` prints a whole config as YAML (start from configs/tiny.yaml)."
+)
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def build_cli(
+    args: list[str] | None = None, run: bool = True, exit_on_error: bool = True
+) -> RLVRCLI:
+    """Parse ``args`` (default: ``sys.argv``) and run the subcommand; returns the CLI object.
+
+    ``exit_on_error=False`` raises parse errors (``argparse.ArgumentError``) instead of printing
+    the usage and exiting, so ``main`` can report them in its own format.
+    """
+    parser_kwargs: dict[str, Any] = {s: {"exit_on_error": exit_on_error} for s in _SUBCOMMANDS}
+    parser_kwargs["fit"]["description"] = _FIT_HELP
     return RLVRCLI(
         RLVRModule,
         RLVRDataModule,
@@ -94,21 +138,52 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> RLVRCLI:
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": exit_on_error, "epilog": _OTHER_COMMANDS, **parser_kwargs},
+        # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
+        # --optimizer/--lr_scheduler would replace it and ignore model.lr and warmup_steps.
+        auto_configure_optimizers=False,
     )
 
 
-def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``rlvr-lightning`` command; ``args`` makes it callable from tests."""
-    argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["push"]:  # not a Trainer subcommand: handled before LightningCLI parses
-        from rlvr_lightning.push_cli import push_command
+def _import_from_cwd() -> None:
+    # `python -m rlvr_lightning.cli` puts the working directory first on sys.path; the console
+    # script puts its bin folder there instead. Do what `python -m` does, so a config's
+    # `reward_fns: [my_rewards.fn]` imports `my_rewards.py` from the folder the user runs in.
+    cwd = os.getcwd()
+    if not any(p in ("", cwd) for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _dispatch(argv: list[str], from_sys_argv: bool) -> None:
+    if argv[:1] == ["push"]:  # not Trainer subcommands: handled before LightningCLI parses
+        from rlvr_lightning.hub.push_cli import push_command
 
         push_command(argv[1:])
-        return
+    elif argv[:1] == ["export"]:
+        from rlvr_lightning.hub.push_cli import export_command
+
+        export_command(argv[1:])
+    else:
+        build_cli(None if from_sys_argv else argv, exit_on_error=False)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``rlvr-lightning`` command; ``args`` makes it callable from tests
+    (which then leave ``sys.path`` alone: only the command line imports from the cwd)."""
+    if args is None:
+        _import_from_cwd()
+    argv = sys.argv[1:] if args is None else list(args)
     try:
-        build_cli(args)
+        _dispatch(argv, from_sys_argv=args is None)
     except SIGTERMException as stop:  # Lightning's own SIGTERM stop exits 0 otherwise
         raise SystemExit(143) from stop
+    except Exception as err:
+        if cli_errors.traceback_requested():
+            raise
+        named = [a for a in argv if a in (*_SUBCOMMANDS, "push", "export")]
+        command = " ".join(["rlvr-lightning", *named[:1]])
+        print(cli_errors.summary(err, command), file=sys.stderr)
+        raise SystemExit(2 if isinstance(err, ArgumentError) else 1) from None
 
 
 if __name__ == "__main__":

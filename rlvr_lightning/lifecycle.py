@@ -84,13 +84,9 @@ class StepLifecycle(pl.LightningModule):
             f"end of rollout step {self._rollout_step - 1} (optimiser step {trainer.global_step})."
         )
 
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        # Prompt batches hold text; tokens are created on the right device in `encode_prompts`.
-        if isinstance(batch, PromptBatch):
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+    # No `transfer_batch_to_device` override: a `PromptBatch` holds text (tokens are made on the
+    # right device in `encode_prompts`), so Lightning's default move only copies it, and an
+    # override here makes Lightning warn on every run that uses the data module.
 
     # ---- validation ------------------------------------------------------------------------
 

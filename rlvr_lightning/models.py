@@ -89,8 +89,13 @@ def load_policy(
         raise ValueError(
             f"Unknown embedded model {name!r}; the embedded default is {EMBEDDED_DEFAULT!r}."
         )
-    elif Path(name).exists() or not hub.is_hub_name(name):
+    elif Path(name).exists():
         path = name
+    elif not hub.is_hub_name(name):
+        raise FileNotFoundError(
+            f"Model folder {name!r} does not exist (looked for {Path(name).resolve()}). Pass "
+            f"a folder with a saved model, an `org/name` Hub id, or {EMBEDDED_DEFAULT!r}."
+        )
     else:
         path = hub.resolve_hub_model(name)  # `org/name` or `org/name@revision`
     try:

@@ -11,7 +11,6 @@ from rlvr_lightning.callbacks.push_to_hub import push_due
 from transformers import AutoModelForCausalLM
 
 from rlvr_lightning.cli import build_cli, reset_metric_states
-from rlvr_lightning.hub_testing import FakeHub
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 
@@ -28,8 +27,8 @@ def _fit_with(tmp_path, callback, max_steps=3):
     return cli
 
 
-def test_pushes_every_n_steps_to_a_branch_and_the_final_model_to_main(tmp_path):
-    with FakeHub() as hub:
+def test_pushes_every_n_steps_to_a_branch_and_the_final_model_to_main(tmp_path, fake_hub):
+    with fake_hub() as hub:
         push = PushToHub("me/tiny", every_n_steps=1, checkpoint_branch="training", endpoint=hub.url)
         cli = _fit_with(tmp_path, push, max_steps=3)
         repo = hub.repos["me/tiny"]
@@ -50,9 +49,9 @@ def test_pushes_every_n_steps_to_a_branch_and_the_final_model_to_main(tmp_path):
     assert push.failed_pushes == 0 and len(push.pushed) == 3
 
 
-def test_a_failing_hub_keeps_the_export_and_does_not_stop_training(tmp_path, caplog):
+def test_a_failing_hub_keeps_the_export_and_does_not_stop_training(tmp_path, caplog, fake_hub):
     slept: list[float] = []
-    with FakeHub(fail_with=500) as hub:
+    with fake_hub(fail_with=500) as hub:
         push = PushToHub("me/tiny", every_n_steps=1, retries=2, backoff_s=0.25, endpoint=hub.url)
         push._sleep = slept.append
         with caplog.at_level(logging.WARNING):
@@ -66,8 +65,8 @@ def test_a_failing_hub_keeps_the_export_and_does_not_stop_training(tmp_path, cap
     assert "the export in" in caplog.text.lower() and "rlvr-lightning push" in caplog.text
 
 
-def test_validation_after_fit_completes_and_repushes_the_card(tmp_path):
-    with FakeHub() as hub:
+def test_validation_after_fit_completes_and_repushes_the_card(tmp_path, fake_hub):
+    with fake_hub() as hub:
         push = PushToHub("me/tiny", endpoint=hub.url)
         cli = _cli(tmp_path, "--trainer.max_steps=2")  # tiny.yaml validates inside fit too
         cli.trainer.callbacks.append(push)

@@ -12,7 +12,6 @@ from torchmetrics import MeanMetric
 from transformers import AutoModelForCausalLM
 
 from rlvr_lightning.cli import build_cli, main, reset_metric_states
-from rlvr_lightning.hub_testing import FakeHub
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 IDS = torch.tensor([[5, 6, 7, 8]])  # [1, 4]
@@ -63,9 +62,9 @@ def _checkpoint(tmp_path: Path, *extra: str):
     return cli, ckpt
 
 
-def test_push_a_checkpoint_exports_it_with_a_card_and_uploads(tmp_path, capsys):
+def test_push_a_checkpoint_exports_it_with_a_card_and_uploads(tmp_path, capsys, fake_hub):
     cli, ckpt = _checkpoint(tmp_path)
-    with FakeHub() as hub:
+    with fake_hub() as hub:
         main(["push", str(ckpt), "--repo-id", "me/from-ckpt", "--endpoint", hub.url])
         received = hub.files("me/from-ckpt")
         private = hub.repos["me/from-ckpt"].private
@@ -84,9 +83,9 @@ def test_push_a_checkpoint_exports_it_with_a_card_and_uploads(tmp_path, capsys):
     assert "Pushed" in capsys.readouterr().out
 
 
-def test_push_a_lora_checkpoint_as_an_adapter(tmp_path):
+def test_push_a_lora_checkpoint_as_an_adapter(tmp_path, fake_hub):
     _, ckpt = _checkpoint(tmp_path, "--model.init_args.lora_rank=2")
-    with FakeHub() as hub:
+    with fake_hub() as hub:
         main(["push", str(ckpt), "--repo-id", "me/adapter", "--endpoint", hub.url, "--public"])
         main(
             [

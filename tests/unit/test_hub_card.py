@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from rlvr_lightning import model_card
-from rlvr_lightning.model_card import RunFacts, TrainingRecord
+from rlvr_lightning.hub import model_card
+from rlvr_lightning.hub.model_card import RunFacts, TrainingRecord
 
 ROOT = Path(__file__).parents[2]
 FAKE_TOKEN = "hf_" + "Zq3" * 10

@@ -1,6 +1,7 @@
 """Loading ``org/name[@revision]`` through huggingface_hub from a loopback FakeHub, and errors."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from rlvr_lightning.hub import (
     resolve_hub_model,
     split_revision,
 )
-from rlvr_lightning.hub_testing import FakeHub
 from rlvr_lightning.testing import tiny_policy
 
 IDS = torch.tensor([[5, 6, 7, 8]])  # [1, 4]
@@ -25,7 +25,7 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
         return model.eval()(IDS).logits  # [1, 4, V]
 
 
-def _publish(hub: FakeHub, tmp_path: Path, seed: int, revision: str | None = None) -> None:
+def _publish(hub: Any, tmp_path: Path, seed: int, revision: str | None = None) -> None:
     model, tokenizer = tiny_policy(seed=seed)
     folder = export_pretrained(model, tokenizer, tmp_path / f"export-{seed}")
     push_folder(folder, "me/tiny", revision=revision, endpoint=hub.url)
@@ -41,8 +41,8 @@ def test_split_revision_and_hub_names(tmp_path):
     assert not is_hub_name(str(tmp_path / "org"))  # an existing folder is a local path
 
 
-def test_download_by_name_and_by_revision_gives_the_pushed_weights(tmp_path):
-    with FakeHub() as hub:
+def test_download_by_name_and_by_revision_gives_the_pushed_weights(tmp_path, fake_hub):
+    with fake_hub() as hub:
         _publish(hub, tmp_path, seed=0)
         _publish(hub, tmp_path, seed=1, revision="v2")
         main = resolve_hub_model("me/tiny", endpoint=hub.url, cache_dir=tmp_path / "cache")
@@ -52,9 +52,9 @@ def test_download_by_name_and_by_revision_gives_the_pushed_weights(tmp_path):
     assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(v2)), expected1)
 
 
-def test_offline_uses_the_cache_and_names_the_fix_when_missing(tmp_path, monkeypatch):
+def test_offline_uses_the_cache_and_names_the_fix_when_missing(tmp_path, monkeypatch, fake_hub):
     cache = tmp_path / "cache"
-    with FakeHub() as hub:
+    with fake_hub() as hub:
         _publish(hub, tmp_path, seed=0)
         online = resolve_hub_model("me/tiny", endpoint=hub.url, cache_dir=cache)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the server is gone too
@@ -64,8 +64,8 @@ def test_offline_uses_the_cache_and_names_the_fix_when_missing(tmp_path, monkeyp
     assert "embedded:smollm2-135m-instruct" in str(err.value)
 
 
-def test_unknown_repository_or_revision_gives_a_clear_error(tmp_path):
-    with FakeHub() as hub:
+def test_unknown_repository_or_revision_gives_a_clear_error(tmp_path, fake_hub):
+    with fake_hub() as hub:
         _publish(hub, tmp_path, seed=0)
         with pytest.raises(OSError, match="No model 'me/missing' on the Hub"):
             resolve_hub_model("me/missing", endpoint=hub.url, cache_dir=tmp_path / "c")
@@ -73,8 +73,8 @@ def test_unknown_repository_or_revision_gives_a_clear_error(tmp_path):
             resolve_hub_model("me/tiny@nope", endpoint=hub.url, cache_dir=tmp_path / "c")
 
 
-def test_unreachable_hub_says_so(tmp_path):
-    with FakeHub() as hub:
+def test_unreachable_hub_says_so(tmp_path, fake_hub):
+    with fake_hub() as hub:
         url = hub.url
     # Nothing listens on that loopback port any more.
     with pytest.raises(OSError, match="could not be reached"):

@@ -7,7 +7,6 @@ import pytest
 
 from rlvr_lightning.cli import main
 from rlvr_lightning.hub import folder_files, is_retryable, push_folder, with_retries
-from rlvr_lightning.hub_testing import FakeHub
 
 FAKE_TOKEN = "hf_" + "k7" * 15
 
@@ -31,10 +30,10 @@ def _digest(folder: Path) -> dict[str, str]:
     }
 
 
-def test_push_uploads_every_file_with_the_token(tmp_path, monkeypatch):
+def test_push_uploads_every_file_with_the_token(tmp_path, monkeypatch, fake_hub):
     monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
     folder = _folder(tmp_path)
-    with FakeHub() as hub:
+    with fake_hub() as hub:
         url = push_folder(folder, "me/adder", private=True, endpoint=hub.url, sleep=pytest.fail)
         received = hub.files("me/adder")
         repo = hub.repos["me/adder"]
@@ -46,9 +45,9 @@ def test_push_uploads_every_file_with_the_token(tmp_path, monkeypatch):
     assert ("POST", "/api/models/me/adder/commit/main") in hub.requests
 
 
-def test_push_to_a_branch_creates_it_and_leaves_main_alone(tmp_path):
+def test_push_to_a_branch_creates_it_and_leaves_main_alone(tmp_path, fake_hub):
     folder = _folder(tmp_path)
-    with FakeHub() as hub:
+    with fake_hub() as hub:
         push_folder(folder, "me/adder", revision="training", endpoint=hub.url)
         push_folder(folder, "me/adder", revision="training", only=["README.md"], endpoint=hub.url)
         repo = hub.repos["me/adder"]
@@ -57,11 +56,11 @@ def test_push_to_a_branch_creates_it_and_leaves_main_alone(tmp_path):
     assert [sorted(c["files"]) for c in repo.commits][-1] == ["README.md"]
 
 
-def test_failing_server_raises_after_retries_and_keeps_local_files(tmp_path):
+def test_failing_server_raises_after_retries_and_keeps_local_files(tmp_path, fake_hub):
     folder = _folder(tmp_path)
     before = _digest(folder)
     slept: list[float] = []
-    with FakeHub(fail_with=500) as hub, pytest.raises(Exception, match="500"):
+    with fake_hub(fail_with=500) as hub, pytest.raises(Exception, match="500"):
         push_folder(
             folder, "me/adder", endpoint=hub.url, attempts=3, backoff_s=0.5, sleep=slept.append
         )
@@ -69,10 +68,10 @@ def test_failing_server_raises_after_retries_and_keeps_local_files(tmp_path):
     assert _digest(folder) == before
 
 
-def test_a_transient_failure_is_retried(tmp_path):
+def test_a_transient_failure_is_retried(tmp_path, fake_hub):
     folder = _folder(tmp_path)
     slept: list[float] = []
-    with FakeHub(fail_with=503, fail_times=1) as hub:
+    with fake_hub(fail_with=503, fail_times=1) as hub:
         push_folder(folder, "me/adder", endpoint=hub.url, sleep=slept.append)
         received = hub.files("me/adder")
     assert slept == [2.0]
@@ -111,9 +110,9 @@ def test_retryable_statuses(status, expected):
     assert is_retryable(_HttpError(status)) is expected
 
 
-def test_cli_push_uploads_an_export_folder(tmp_path, capsys):
+def test_cli_push_uploads_an_export_folder(tmp_path, capsys, fake_hub):
     folder = _folder(tmp_path)
-    with FakeHub() as hub:
+    with fake_hub() as hub:
         main(["push", str(folder), "--repo-id", "me/cli", "--endpoint", hub.url, "--public"])
         received = hub.files("me/cli")
         private = hub.repos["me/cli"].private

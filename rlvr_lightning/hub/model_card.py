@@ -21,9 +21,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from rlvr_lightning import card_safety
-from rlvr_lightning.card_safety import clean_value, public_base_model, scrub
-from rlvr_lightning.hub import is_hub_name
+from rlvr_lightning.hub import card_safety
+from rlvr_lightning.hub.card_safety import clean_value, public_base_model, scrub
+from rlvr_lightning.hub.transfer import is_hub_name
 from rlvr_lightning.presets import get_preset
 
 LOCAL_PATH, REDACTED = card_safety.LOCAL_PATH, card_safety.REDACTED  # what cards show instead

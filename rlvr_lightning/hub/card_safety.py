@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlvr_lightning.hub import is_hub_name, split_revision
+from rlvr_lightning.hub.transfer import is_hub_name, split_revision
 
 LOCAL_PATH = "<local path>"
 REDACTED = "<redacted>"

@@ -1,9 +1,10 @@
-"""``rlvr-lightning push <export-folder | checkpoint.ckpt> --repo-id org/name``.
+"""``rlvr-lightning push <export-folder | checkpoint.ckpt> --repo-id org/name`` and
+``rlvr-lightning export <checkpoint.ckpt>``.
 
 An export folder (from ``ExportModel`` / ``PushToHub``) is uploaded as it is. A Lightning
 checkpoint is first exported next to it (``<name>-export/``, or ``--export-dir``) with a model
 card rebuilt from what the checkpoint holds, then uploaded. The token comes from ``HF_TOKEN`` or
-the ``huggingface_hub`` login.
+the ``huggingface_hub`` login. ``export`` does the export step alone, without uploading.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlvr_lightning import model_card
-from rlvr_lightning.hub import export_pretrained, module_heads, push_folder
+from rlvr_lightning.hub import model_card
+from rlvr_lightning.hub.transfer import export_pretrained, module_heads, push_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", default=None, help="Hub URL (default: HF_ENDPOINT)")
     parser.add_argument("--export-dir", default=None, help="checkpoints: where to export")
     parser.add_argument("--adapter-only", action="store_true", help="checkpoints: LoRA adapter")
+    parser.add_argument("--card-template", default="default", help="card template name or path")
+    parser.add_argument("--license", default="apache-2.0", help="license in the card metadata")
+    return parser
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlvr-lightning export",
+        description="Write a Lightning checkpoint as a from_pretrained folder (weights, "
+        "tokenizer, model card) without uploading it.",
+    )
+    parser.add_argument("ckpt", help="a Lightning .ckpt file")
+    parser.add_argument("--output", default=None, help="target folder (default: <name>-export)")
+    parser.add_argument("--repo-id", default=None, help="the Hub name the card's usage shows")
+    parser.add_argument("--adapter-only", action="store_true", help="LoRA: the adapter alone")
     parser.add_argument("--card-template", default="default", help="card template name or path")
     parser.add_argument("--license", default="apache-2.0", help="license in the card metadata")
     return parser
@@ -119,3 +135,21 @@ def push_command(argv: Sequence[str]) -> str:
     )
     print(f"Pushed {folder} to {url}")
     return url
+
+
+def export_command(argv: Sequence[str]) -> Path:
+    """Run ``export`` with ``argv`` (the arguments after ``export``); returns the folder."""
+    args = build_export_parser().parse_args(list(argv))
+    source = Path(args.ckpt)
+    if not source.is_file():
+        raise SystemExit(f"export: checkpoint {args.ckpt!r} does not exist.")
+    folder = export_checkpoint(
+        source,
+        Path(args.output or source.with_name(f"{source.stem}-export")),
+        repo_id=args.repo_id,
+        adapter_only=args.adapter_only,
+        card_template=args.card_template,
+        license=args.license,
+    )
+    print(f"Exported {source.name} to {folder}")
+    return folder

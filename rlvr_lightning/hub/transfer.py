@@ -7,7 +7,7 @@
 - ``resolve_hub_model`` turns ``org/name`` or ``org/name@revision`` into a local snapshot folder,
   with errors that say how to fix an offline machine or an unknown name.
 
-Model cards are rendered by ``rlvr_lightning.model_card``.
+Model cards are rendered by ``rlvr_lightning.hub.model_card``.
 """
 
 from __future__ import annotations
@@ -276,8 +276,8 @@ def resolve_hub_model(
     repo_id, revision = split_revision(name)
     offline = _offline()
     fixes = (
-        "Use a local folder with a saved model, or the embedded default "
-        "'embedded:smollm2-135m-instruct'."
+        f"No local folder {repo_id!r} exists either. Use a local folder with a saved model, or "
+        "the embedded default 'embedded:smollm2-135m-instruct'."
     )
     try:
         folder = snapshot_download(

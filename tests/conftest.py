@@ -1,0 +1,35 @@
+"""Fixtures shared by the test folders (not a root conftest: nothing here touches sys.path).
+
+``fake_hub`` gives the ``FakeHub`` class of ``tests/hub_server.py``, a loopback stand-in for the
+Hub; the tests import no helper modules directly, since ``--import-mode=importlib`` leaves the
+tests folder off ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_HUB_SERVER = "rlvr_lightning_tests_hub_server"
+
+
+def _hub_server() -> ModuleType:
+    if _HUB_SERVER not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            _HUB_SERVER, Path(__file__).with_name("hub_server.py")
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_HUB_SERVER] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[_HUB_SERVER]
+
+
+@pytest.fixture
+def fake_hub() -> type:
+    """The ``FakeHub`` class: ``with fake_hub() as hub:`` serves it at ``hub.url``."""
+    return _hub_server().FakeHub
