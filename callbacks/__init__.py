@@ -9,15 +9,20 @@ if __name__ != "rlvr_lightning.callbacks":
     )
 
 from rlvr_lightning.callbacks.adaptive_temperature import AdaptiveTemperature
+from rlvr_lightning.callbacks.completions_table import CompletionsTable
 from rlvr_lightning.callbacks.export_model import ExportModel
 from rlvr_lightning.callbacks.ground_truth_injection import GroundTruthInjection
 from rlvr_lightning.callbacks.mixed_policy_guidance import MixedPolicyGuidance
 from rlvr_lightning.callbacks.push_to_hub import PushToHub
+from rlvr_lightning.callbacks.step_progress_bar import RichStepProgressBar, StepProgressBar
 
 __all__ = [
     "AdaptiveTemperature",
+    "CompletionsTable",
     "ExportModel",
     "GroundTruthInjection",
     "MixedPolicyGuidance",
     "PushToHub",
+    "RichStepProgressBar",
+    "StepProgressBar",
 ]

@@ -44,6 +44,16 @@ def policy_and_tokenizer(
     return policy, tokenizer
 
 
+def check_prompt_format(prompt_format: str, tokenizer: Any, policy: str) -> None:
+    """Raise when ``prompt_format: chat`` meets a tokenizer without a chat template."""
+    if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"prompt_format=chat, but the tokenizer of policy {policy!r} has no chat template "
+            "(a base model?). Set model.init_args.prompt_format: plain to train on the prompt "
+            "text without a template, or auto to choose by the tokenizer."
+        )
+
+
 def policy_update(preset: Preset, h: Mapping[str, Any], loss_fn: Callable | None) -> PolicyUpdate:
     """The loss settings: the module's arguments where given, else the preset's."""
 

@@ -16,7 +16,7 @@ from argparse import ArgumentError
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -24,6 +24,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from rlvr_lightning import checkpointing, cli_errors
+from rlvr_lightning.callbacks import StepProgressBar
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
 
@@ -54,7 +55,8 @@ class RLVRCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         config = {**config, "plugins": checkpointing.with_atomic_io(config.get("plugins"))}
-        return super()._instantiate_trainer(config, checkpointing.with_guard(callbacks))
+        callbacks = with_step_progress(config, checkpointing.with_guard(callbacks))
+        return super()._instantiate_trainer(config, callbacks)
 
     def _evaluate(self) -> dict[str, float]:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
@@ -83,6 +85,18 @@ class RLVRCLI(LightningCLI):
 
     def _flag(self) -> bool:
         return bool(self.config.get(self.subcommand, {}).get("evaluate_before_after", False))
+
+
+def with_step_progress(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` plus a ``StepProgressBar`` where Lightning would add its default bar (which
+    reads ``Epoch 0/-2`` under ``max_steps``): the bar is on and none is configured."""
+    given = config.get("callbacks") or []
+    configured = [*(given if isinstance(given, list) else [given]), *callbacks]
+    if config.get("enable_progress_bar") is False or any(
+        isinstance(cb, ProgressBar) for cb in configured
+    ):
+        return callbacks
+    return [*callbacks, StepProgressBar()]
 
 
 def _has_last_checkpoint(trainer: Trainer) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
+from rlvr_lightning.data.sources import plain_text
 from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
 from rlvr_lightning.rollout.factory import build_engine, engine_dtype
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling
@@ -35,9 +36,20 @@ class GenerationStage(pl.LightningModule):
         return self._engine
 
     def encode_prompts(self, batch: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the chat template and left-pad: ``([B, P] ids, [B, P] mask)``."""
+        """Render each prompt and left-pad: ``([B, P] ids, [B, P] mask)``.
+
+        ``prompt_format`` ``chat`` applies the chat template; ``plain`` joins the messages'
+        contents by blank lines, roles dropped; ``auto`` is ``chat`` when the tokenizer has a
+        template. No special tokens are added in either case (the template carries its own;
+        TRL encodes plain prompts the same way).
+        """
+        fmt = self.hparams.get("prompt_format", "auto")
+        if fmt == "auto":
+            fmt = "chat" if getattr(self.tokenizer, "chat_template", None) else "plain"
         texts = [
-            self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+            plain_text(m)
+            if fmt == "plain"
+            else self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
             for m in batch.messages
         ]
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)

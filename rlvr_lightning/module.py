@@ -63,7 +63,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             ``dynamic.py``); implies dropping uninformative groups.
         max_gen_rounds: extra generation rounds dynamic sampling may run per step.
         reward_fns: reward functions ``fn(completions, **columns) -> list[float | None]``; by
-            default ``boxed_accuracy`` and ``boxed_format``.
+            default ``boxed_accuracy`` and ``boxed_format``. Besides the dataset's columns they
+            may name ``prompts``, ``completion_ids`` and ``completion_length`` (see ``score``);
+            ``async def`` functions are awaited.
         reward_weights: one weight per reward function (default: all 1).
         reward_timeout_s: seconds a reward function may run before its rows score 0.
         reward_isolate: which reward functions run in worker processes that are killed and
@@ -73,6 +75,10 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         reward_nan_policy: a NaN or infinite reward value stops training with an error naming
             the function (``error``) or scores 0.0 and counts in ``reward/<name>/failures``
             (``fail``). ``None`` always means "not applicable".
+        prompt_format: how prompts become tokens: ``chat`` (the tokenizer's chat template),
+            ``plain`` (no template: the messages' contents joined by blank lines, roles
+            dropped; for base models) or ``auto`` (``chat`` when the tokenizer has a chat
+            template, else ``plain``).
         accuracy_reward: name of the reward that defines "correct" (default: the first).
         accuracy_threshold: a row is correct when that reward is >= this value.
         sampling: training sampling (``group_size`` is G).
@@ -147,6 +153,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         reward_timeout_s: float = 30.0,
         reward_isolate: bool | list[str] | None = None,
         reward_nan_policy: Literal["error", "fail"] = "error",
+        prompt_format: Literal["chat", "plain", "auto"] = "auto",
         accuracy_reward: str | None = None,
         accuracy_threshold: float = 1.0,
         sampling: Sampling = Sampling(max_new_tokens=64, temperature=1.0, group_size=8),
@@ -193,6 +200,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         self.policy, self.tokenizer = build.policy_and_tokenizer(
             policy, dtype, lora_rank, lora_alpha, lora_target_modules
         )
+        build.check_prompt_format(prompt_format, self.tokenizer, policy)
         # Not registered as a submodule: the frozen copy never enters checkpoints or optimisers.
         self._reference = (
             (models.frozen_copy(self.policy),) if kl_coef > 0 and lora_rank == 0 else ()
@@ -234,9 +242,20 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
     # ---- the stages (rollout: generation.py, update: optimise.py) ---------------------------
 
     def score(self, batch: PromptBatch, rollouts: Rollouts) -> Scored:
-        """Run the reward functions; columns are repeated ``G`` times to align with rows."""
+        """Run the reward functions; columns are repeated ``G`` times to align with rows.
+
+        Besides the batch's columns, each row has ``prompts`` (the data module's ``prompts``
+        column: the prompt text, or the message list of a conversational prompt; the messages
+        for batches without it), ``completion_ids`` (the completion's token ids up to and
+        including EOS) and ``completion_length`` (their number).
+        """
         g = rollouts.group_size
         columns = {k: [v for v in vals for _ in range(g)] for k, vals in batch.columns.items()}
+        columns.setdefault("prompts", [m for m in batch.messages for _ in range(g)])
+        mask = rollouts.completion_mask.bool()  # [N, T]
+        columns["completion_ids"] = [
+            ids[keep].tolist() for ids, keep in zip(rollouts.completion_ids, mask, strict=True)
+        ]
         columns["completion_length"] = rollouts.lengths.tolist()
         result = self.rewards(rollouts.completions, columns)
         acc = result.per_function[self.accuracy_reward].nan_to_num(0.0)  # [N]

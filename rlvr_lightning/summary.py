@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from rlvr_lightning.offpolicy import sources_of
+from rlvr_lightning.ops import masked_mean
 from rlvr_lightning.outcomes import sampled_rows, varies
 from rlvr_lightning.types import PromptBatch, Scored, StepOutput
 
@@ -11,6 +15,30 @@ from rlvr_lightning.types import PromptBatch, Scored, StepOutput
 def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """``[B * G]`` -> ``[B, G]``."""
     return x.reshape(-1, group_size)
+
+
+def row_advantages(advantages: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """``[N]`` one advantage per row: itself, or the mean over the row's completion tokens."""
+    adv = advantages.detach().float().cpu()  # [N] or [N, T]
+    if adv.dim() == 1:
+        return adv
+    return masked_mean(adv, completion_mask.detach().cpu(), dim=-1)  # [N]
+
+
+def row_fields(batch: PromptBatch, scored: Scored, advantages: torch.Tensor) -> dict[str, Any]:
+    """The per-row ``StepOutput`` fields, as trained (injected members in their slots).
+
+    Copies to CPU what the step already computed; no decoding or extra scoring.
+    """
+    return {
+        "prompts": [turns[-1]["content"] if turns else "" for turns in batch.messages],
+        "completions": list(scored.rollouts.completions),
+        "sources": sources_of(scored.rollouts),
+        "per_function": {k: v.detach().float().cpu() for k, v in scored.per_function.items()},
+        "row_rewards": scored.rewards.detach().float().cpu(),
+        "row_correct": scored.correct.detach().cpu(),
+        "advantages": row_advantages(advantages, scored.rollouts.completion_mask),
+    }
 
 
 def summarise_step(
@@ -27,7 +55,7 @@ def summarise_step(
     ``rewards``, ``correct``, ``accuracy`` and ``reward`` describe the rows the policy sampled
     (``outcomes.sampled_rows``); ``accuracy_with_offpolicy`` and ``reward_with_offpolicy`` add
     the injected members, logged when a group holds any. ``trained``: ``[B]`` bool, the groups
-    the update used (None: all).
+    the update used (None: all). The per-row fields (``row_fields``) show the rows as trained.
     """
     g = scored.rollouts.group_size
     sampled_correct, sampled_rewards = sampled_rows(scored)
@@ -68,4 +96,5 @@ def summarise_step(
         group_variance=variance,
         metrics=metrics,
         trained=None if trained is None else trained.detach().cpu(),
+        **row_fields(batch, scored, advantages),
     )

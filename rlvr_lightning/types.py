@@ -158,6 +158,11 @@ class StepOutput:
     policy sampled for each prompt, as scored before any ``on_after_score`` hook: injected
     (off-policy) members never count. Read it through ``RLVRModule.last_step`` or the
     ``on_step_output`` hook of the data module.
+
+    The per-row fields after ``trained`` (``completions`` to ``advantages``, ``N = B * G``)
+    describe the rows *as trained*: an injected member stands in its slot with its own text,
+    rewards and advantage, while ``rewards``/``correct`` keep the sampled outcome of that slot.
+    They are for inspection (``callbacks.CompletionsTable``); empty when a step built none.
     """
 
     step: int  # rollout step index, counted from 0
@@ -170,3 +175,10 @@ class StepOutput:
     group_variance: torch.Tensor  # [B] unbiased variance of rewards within each group
     metrics: dict[str, float] = field(default_factory=dict)
     trained: torch.Tensor | None = None  # [B] bool, groups the update used (None: all)
+    prompts: list[str] = field(default_factory=list)  # [B] text of each prompt's last turn
+    completions: list[str] = field(default_factory=list)  # [N] as trained, injected included
+    sources: tuple[str, ...] = ()  # [N] source tag per row (SOURCE_POLICY or the injector's)
+    per_function: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N], NaN: n/a
+    row_rewards: torch.Tensor | None = None  # [N] total reward as trained
+    row_correct: torch.Tensor | None = None  # [N] bool, correct as trained
+    advantages: torch.Tensor | None = None  # [N] per row (token-level: mean over its tokens)

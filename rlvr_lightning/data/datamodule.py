@@ -62,16 +62,50 @@ def to_messages(prompt: str, system_prompt: str | None, instruction: str | None)
     return [*system, {"role": "user", "content": content}]
 
 
+def example_messages(
+    example: Example, system_prompt: str | None, instruction: str | None
+) -> Messages:
+    """Chat messages of an example: ``to_messages`` for a text prompt; a conversation as
+    written, with ``system_prompt`` prepended only when it has no system turn of its own and
+    ``instruction`` appended to its last (user) turn after a blank line."""
+    if example.messages is None:
+        return to_messages(example.prompt, system_prompt, instruction)
+    messages = [dict(m) for m in example.messages]
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if instruction:
+        messages[-1]["content"] = f"{messages[-1]['content']}\n\n{instruction}"
+    return messages
+
+
 def collate_examples(
     examples: Sequence[Example], system_prompt: str | None, instruction: str | None
 ) -> PromptBatch:
-    """A ``PromptBatch`` of examples; a column missing from some examples is ``None`` there."""
+    """A ``PromptBatch`` of examples; a column missing from some examples is ``None`` there.
+
+    The ``prompts`` column is what reward functions get as ``prompts`` (TRL's meaning): the
+    user turn's text for a text prompt, the message list for a conversation, both with the
+    system prompt and instruction applied and no chat template.
+    """
     names = list(dict.fromkeys(name for e in examples for name in e.columns))
+    messages = [example_messages(e, system_prompt, instruction) for e in examples]
+    columns = {name: [e.columns.get(name) for e in examples] for name in names}
+    columns["prompts"] = [
+        m[-1]["content"] if e.messages is None else m
+        for e, m in zip(examples, messages, strict=True)
+    ]
     return PromptBatch(
-        prompt_ids=[e.prompt_id for e in examples],
-        messages=[to_messages(e.prompt, system_prompt, instruction) for e in examples],
-        columns={name: [e.columns.get(name) for e in examples] for name in names},
+        prompt_ids=[e.prompt_id for e in examples], messages=messages, columns=columns
     )
+
+
+def source_columns(examples: Sequence[Example]) -> dict[str, list[str]]:
+    """The columns each source's examples have (any row), the source read from the id."""
+    found: dict[str, dict[str, None]] = {}
+    for e in examples:
+        names = found.setdefault(e.prompt_id.rsplit(":", 1)[0], {})
+        names.update(dict.fromkeys(e.columns))
+    return {source: list(names) for source, names in found.items()}
 
 
 def _keep(batch: PromptBatch) -> PromptBatch:
@@ -180,6 +214,7 @@ class RLVRDataModule(pl.LightningDataModule):
         self._pending: dict[str, Any] | None = None  # state before the untrained current step
         self._restored_num_train: int | None = None
         self.skipped_long_prompts: dict[str, int] = {}  # per split, set at setup
+        self._checked_rewards: object = None  # the reward combiner the columns were checked for
 
     # --- data ----------------------------------------------------------------------------
 
@@ -190,6 +225,18 @@ class RLVRDataModule(pl.LightningDataModule):
             self.train_examples, self.val_examples = self._build_splits()
             self._by_id = {e.prompt_id: e for e in self.train_examples}
             self._fresh = FreshPrompts(self.train_examples, self.seed, self._cursor)
+        self._check_reward_columns()
+
+    def _check_reward_columns(self) -> None:
+        """Every column a reward of the Trainer's module requires exists in every source, so a
+        missing one stops the run here, before the first rollout, naming reward and column."""
+        rewards = getattr(getattr(self.trainer, "lightning_module", None), "rewards", None)
+        if not hasattr(rewards, "check_available") or rewards is self._checked_rewards:
+            return
+        for where, examples in (("training", self.train_examples), ("val", self.val_examples)):
+            for source, columns in source_columns(examples).items():
+                rewards.check_available(columns, f"{where} source {source!r}")
+        self._checked_rewards = rewards
 
     def _build_splits(self) -> tuple[list[Example], list[Example]]:
         held_out = 0 if self.val_source is not None else self.val_size

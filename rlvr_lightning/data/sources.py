@@ -18,14 +18,17 @@ from typing import Any
 
 import torch
 
-DEFAULT_COLUMNS: Mapping[str, str] = {"prompt": "prompt", "answer": "answer"}
-"""Column mapping used when none is given: ``our name -> the dataset's column``."""
+DEFAULT_COLUMNS: Mapping[str, str] = {"prompt": "prompt"}
+"""Column mapping used when none is given: ``our name -> the dataset's column``. Unmapped
+columns (``answer`` included) pass through under their own names; which of them must exist is
+decided by the reward functions' signatures, checked when training starts."""
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
 COLUMNS_HINT = "set the `columns` mapping of RLVRDataModule (CLI: --data.columns)"
 _BOM = b"\xef\xbb\xbf"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of U+D800..U+DFFF
 _SURROGATE = re.compile("[\ud800-\udfff]")
+Messages = list[dict[str, str]]
 
 
 class DataError(ValueError):
@@ -42,13 +45,18 @@ class Example:
     Args:
         prompt_id: stable id, ``"<source>:<12 hex digits>"`` from the prompt and answer text, so
             the same example has the same id across runs, processes and resumes.
-        prompt: the user question, without any instruction or system prompt.
+        prompt: the user question, without any instruction or system prompt; for a
+            conversation, its messages' contents joined by blank lines (what de-duplication
+            and the prompt length limit read).
         columns: ``answer``, optional ``solution``, task metadata and any other column.
+        messages: the conversation of a conversational prompt (``{"role", "content"}`` dicts
+            ending with a user turn); None for a text prompt.
     """
 
     prompt_id: str
     prompt: str
     columns: dict[str, Any]
+    messages: Messages | None = None
 
 
 def make_prompt_id(source: str, prompt: str, answer: object) -> str:
@@ -233,11 +241,70 @@ def _rename(row: Mapping[str, Any], mapping: Mapping[str, str]) -> dict[str, Any
 
 def _not_text(where: str, column: str, prompt: object) -> DataError:
     shown = repr(prompt) if len(repr(prompt)) <= 40 else repr(prompt)[:37] + "..."
-    chat = " (chat-message lists are not supported)" if isinstance(prompt, list) else ""
     return DataError(
-        f"{where}: the prompt column {column!r} must hold text, got {type(prompt).__name__} "
-        f"{shown}{chat}. To fix, make it a string in this row, or {COLUMNS_HINT} to a text column."
+        f"{where}: the prompt column {column!r} must hold text or a list of chat messages "
+        f'({{"role": ..., "content": ...}}), got {type(prompt).__name__} {shown}. To fix, make it '
+        f"a string in this row, or {COLUMNS_HINT} to a text column."
     )
+
+
+def _bad_message(where: str, column: str, i: int, problem: str) -> DataError:
+    return DataError(
+        f"{where}: message {i} of the prompt column {column!r} {problem}. A conversational "
+        'prompt is a list of {"role": "system" | "user" | "assistant", "content": "<text>"} '
+        "objects ending with a user turn."
+    )
+
+
+def check_messages(prompt: list[Any], where: str, column: str) -> Messages:
+    """A conversational prompt as plain ``{"role", "content"}`` dicts, or a ``DataError``."""
+    messages = []
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise _bad_message(where, column, i, f"is {type(message).__name__}, not an object")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise _bad_message(where, column, i, "needs a text 'role' and a text 'content'")
+        messages.append({"role": role, "content": content})
+    if messages[-1]["role"] != "user":
+        raise _bad_message(
+            where, column, len(messages) - 1, f"has role {messages[-1]['role']!r}, not 'user'"
+        )
+    return messages
+
+
+def plain_text(messages: Messages) -> str:
+    """A conversation as one text: the contents joined by blank lines, roles dropped."""
+    return "\n\n".join(m["content"] for m in messages if m["content"])
+
+
+def _example(
+    source: str, prompt: str | list[Any], fields: dict[str, Any], where: str, column: str
+) -> Example:
+    """The example of one row whose prompt is text or a non-empty message list."""
+    if isinstance(prompt, str):
+        return Example(make_prompt_id(source, prompt, fields.get("answer")), prompt, fields)
+    messages = check_messages(prompt, where, column)
+    key = json.dumps(messages, ensure_ascii=False)
+    pid = make_prompt_id(source, key, fields.get("answer"))
+    return Example(pid, plain_text(messages), fields, messages)
+
+
+def _blank_message(message: object) -> bool:
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+        and not message["content"].strip()
+    )
+
+
+def _has_text(prompt: str | list[Any]) -> bool:
+    """False for blank text, an empty list, or messages that are all well formed and blank
+    (skipped as empty prompts); a malformed message counts as text, so its error is raised."""
+    if isinstance(prompt, str):
+        return bool(prompt.strip())
+    return not all(_blank_message(m) for m in prompt)
 
 
 def examples_from_rows(
@@ -264,13 +331,12 @@ def examples_from_rows(
         _check_mapping(row, mapping, where)
         fields = _rename(row, mapping)
         prompt = fields.pop("prompt")
-        if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+        if prompt is None or (isinstance(prompt, str | list) and not _has_text(prompt)):
             empty += 1
             continue
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str | list):
             raise _not_text(where, mapping["prompt"], prompt)
-        pid = make_prompt_id(source, prompt, fields.get("answer"))
-        examples.append(Example(prompt_id=pid, prompt=prompt, columns=fields))
+        examples.append(_example(source, prompt, fields, where, mapping["prompt"]))
     if empty:
         warnings.warn(f"{origin}: skipped {empty} rows with an empty prompt.", stacklevel=2)
     return examples

@@ -2,7 +2,9 @@
 
 A reward function is ``fn(completions: list[str], **columns) -> list[float | None]``. The
 combiner hands each function only the columns its signature names (all of them when it takes
-``**kwargs``) and turns ``None`` into NaN. A function that raises on some rows costs those rows
+``**kwargs``) and turns ``None`` into NaN. The completions go first, or by keyword to a
+parameter named ``completions`` (TRL's ``fn(prompts, completions, **kwargs)``); an ``async def``
+function is awaited. A function that raises on some rows costs those rows
 their reward; one that hangs costs the batch's rows their reward (and, when it runs in a worker
 process, nothing later: the worker is killed). A function that breaks the contract (wrong length,
 wrong type, NaN) stops training with a ``RewardContractError`` naming it.
@@ -43,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 NanPolicy = Literal["error", "fail"]
 
+ROLLOUT_COLUMNS = ("prompts", "completion_ids", "completion_length")
+"""Per-row inputs ``RLVRModule.score`` adds to the dataset's columns (see its docstring)."""
+
 
 @dataclass(frozen=True)
 class RewardResult:
@@ -74,6 +79,7 @@ class _Spec:
     columns: frozenset[str] | None  # names it accepts; None means all (it takes **kwargs)
     required: tuple[str, ...]  # columns without a default
     first: str  # name of its completions parameter, never passed as a column
+    by_name: bool = False  # the completions go by keyword, under ``first``
     isolated: bool = False  # runs in a worker process
 
 
@@ -97,24 +103,41 @@ def _dedupe(names: list[str]) -> list[str]:
     return out
 
 
-def _inspect_columns(fn: RewardFn, name: str) -> tuple[frozenset[str] | None, tuple[str, ...], str]:
-    """Accepted columns (None = all), required columns and the completions parameter's name."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # builtins without a signature: hand them everything
-        return None, (), ""
+def _completions_parameter(params: list[inspect.Parameter], name: str) -> tuple[str, bool]:
+    """The completions parameter's name and whether they go by keyword.
+
+    A parameter named ``completions`` anywhere but first takes them by keyword (TRL's
+    ``fn(prompts, completions, **kwargs)``); otherwise the first positional parameter does.
+    """
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    named = [p for p in params if p.name == "completions" and p.kind in keyword]
+    if named and (named[0] is not params[0] or named[0].kind not in positional):
+        return "completions", True
     if not params or params[0].kind not in (*positional, inspect.Parameter.VAR_POSITIONAL):
         raise ValueError(
             f"Reward function {name!r} must take the completions as its first positional "
-            f"argument: fn(completions: list[str], **columns) -> list[float | None]."
+            "argument or as a parameter named `completions`: fn(completions: list[str], "
+            "**columns) -> list[float | None]."
         )
-    first = params[0].name if params[0].kind in positional else ""
-    named = [p for p in params[1:] if p.kind in keyword]
+    return (params[0].name if params[0].kind in positional else ""), False
+
+
+def _inspect_columns(
+    fn: RewardFn, name: str
+) -> tuple[frozenset[str] | None, tuple[str, ...], str, bool]:
+    """Accepted columns (None = all), required columns, the completions parameter's name and
+    whether the completions go by keyword."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: hand them everything
+        return None, (), "", False
+    first, by_name = _completions_parameter(params, name)
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = [p for p in params if p.kind in keyword and p.name != first]
     required = tuple(p.name for p in named if p.default is inspect.Parameter.empty)
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    return (None if takes_all else frozenset(p.name for p in named)), required, first
+    return (None if takes_all else frozenset(p.name for p in named)), required, first, by_name
 
 
 def _wait(future: Future) -> Outcome:
@@ -281,6 +304,26 @@ class RewardCombiner:
         total = torch.nansum(weighted, dim=0)  # [N]; all-NaN rows sum to 0
         return RewardResult(total, per_function, self._metrics(per_function))
 
+    def required_columns(self) -> dict[str, tuple[str, ...]]:
+        """name -> the columns that function needs (parameters without a default)."""
+        return {spec.name: spec.required for spec in self.specs if spec.required}
+
+    def check_available(
+        self, columns: Sequence[str], where: str, supplied: Sequence[str] = ROLLOUT_COLUMNS
+    ) -> None:
+        """Raise naming the reward, the column and the columns there are when a required
+        column is neither in ``columns`` (``where`` says whose: a data source) nor ``supplied``
+        (the per-row inputs the module adds)."""
+        for spec in self.specs:
+            missing = [c for c in spec.required if c not in (*columns, *supplied)]
+            if missing:
+                raise ValueError(
+                    f"Reward function {spec.name!r} needs column {missing[0]!r}, but {where} has "
+                    f"only {sorted(columns)} (plus {', '.join(supplied)}). Add the column to the "
+                    "data (or map one to it with data.columns), give the parameter a default, or "
+                    "drop the reward."
+                )
+
     def _check_columns(self, n: int, columns: dict[str, list[Any]]) -> None:
         wrong = {k: len(v) for k, v in columns.items() if len(v) != n}
         if wrong:
@@ -308,8 +351,9 @@ class RewardCombiner:
             processes = max(1, min(len(isolated), os.cpu_count() or 1))
             self._workers = RewardWorkers(processes, preload_modules(isolated))
         kwargs = self._kwargs_for(spec, columns)
+        by_name = spec.first if spec.by_name else ""
         return self._workers.submit(
-            spec.fn, call_isolated, completions, kwargs, timeout=self.timeout_s
+            spec.fn, call_isolated, completions, kwargs, by_name, timeout=self.timeout_s
         )
 
     def _score(
@@ -334,9 +378,10 @@ class RewardCombiner:
         self, spec: _Spec, completions: list[str], columns: dict[str, list[Any]]
     ) -> Outcome | None:
         kwargs = self._kwargs_for(spec, columns)
+        by_name = spec.first if spec.by_name else ""
 
         def task() -> Outcome:
-            return call_isolated(spec.fn, completions, kwargs)
+            return call_isolated(spec.fn, completions, kwargs, by_name)
 
         if self.timeout_s is None:
             return task()

@@ -2,14 +2,18 @@
 and check that it returned one float or None per completion.
 
 ``call_isolated`` runs in a worker thread or process; ``coerce`` runs in the trainer's process
-and raises ``RewardContractError`` naming the function.
+and raises ``RewardContractError`` naming the function. An ``async def`` function (or one that
+returns an awaitable) is awaited right there, on an event loop of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import numbers
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,13 +48,47 @@ def _plain(raw: object) -> object:
     return raw
 
 
-def call_isolated(fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]]) -> Outcome:
+def _settle(value: object) -> object:
+    """``value``, awaited first when it is awaitable (an ``async def`` reward's coroutine).
+
+    Reward calls run in a worker thread or process without an event loop, so ``asyncio.run``
+    is the normal case; a caller already inside a running loop (a notebook running the
+    combiner inline) gets the coroutine run on a short-lived thread instead.
+    """
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait_for() -> object:
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait_for())
+    with ThreadPoolExecutor(1, thread_name_prefix="async-reward") as pool:
+        return pool.submit(asyncio.run, wait_for()).result()
+
+
+def _call(
+    fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]], by_name: str
+) -> object:
+    """``fn(completions, **kwargs)``, or ``fn(**{by_name: completions}, **kwargs)`` when the
+    completions are passed by keyword (TRL's ``fn(prompts, completions, **kwargs)`` order)."""
+    if by_name:
+        return _plain(_settle(fn(**{by_name: completions}, **kwargs)))
+    return _plain(_settle(fn(completions, **kwargs)))
+
+
+def call_isolated(
+    fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]], by_name: str = ""
+) -> Outcome:
     """Call on the batch; if that raises, call row by row so one bad row costs only itself.
 
     Runs in a worker thread or process; the return values are checked by the caller.
+    ``by_name``: the keyword the completions go under; ``""`` passes them first, positionally.
     """
     try:
-        return Outcome(_plain(fn(completions, **kwargs)))
+        return Outcome(_call(fn, completions, kwargs, by_name))
     except Exception:  # isolation is the point: the row retry reports the error
         pass
     rows: list[object] = []
@@ -58,7 +96,7 @@ def call_isolated(fn: RewardFn, completions: list[str], kwargs: dict[str, list[A
     error = None
     for i, completion in enumerate(completions):
         try:
-            rows.append(_plain(fn([completion], **{k: [v[i]] for k, v in kwargs.items()})))
+            rows.append(_call(fn, [completion], {k: [v[i]] for k, v in kwargs.items()}, by_name))
         except Exception:
             rows.append(None)
             failed.append(i)

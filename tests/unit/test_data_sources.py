@@ -205,7 +205,7 @@ def test_row_errors_give_the_file_line_not_the_row_index(tmp_path):
     ("prompt", "shown"),
     [
         (42, "got int 42. To fix, make it a string in this row"),
-        ([{"role": "user", "content": "hi"}], "(chat-message lists are not supported)"),
+        ({"role": "user", "content": "hi"}, "got dict {'role': 'user', 'content': 'hi'}."),
     ],
 )
 def test_non_text_prompt_names_line_and_the_fix(tmp_path, prompt, shown):
@@ -239,3 +239,57 @@ def test_all_prompts_empty_says_which_column(tmp_path):
         pytest.raises(DataError, match="all 2 rows have an empty prompt column 'q'"),
     ):
         load_examples(path, {"prompt": "q"})
+
+
+def test_rows_without_an_answer_column_are_accepted(tmp_path):
+    # Which columns must exist is the rewards' business, checked at fit start.
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q?", "topic": "t"}, {"prompt": "R?"}])
+    examples = load_examples(path)
+    assert [e.columns for e in examples] == [{"topic": "t"}, {}]
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}]
+
+
+def test_conversational_prompts_keep_their_messages(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": CHAT, "answer": "2"}, {"prompt": "Q?"}])
+    chat, text = load_examples(path)
+    assert chat.messages == CHAT and text.messages is None
+    # The joined contents are what de-duplication and the prompt length limit read.
+    assert chat.prompt == "Be brief.\n\n1 + 1?"
+    assert (
+        chat.prompt_id == load_examples(path)[0].prompt_id != make_prompt_id("d", chat.prompt, "2")
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "problem"),
+    [
+        ([{"role": "user"}], "message 0 of the prompt column 'prompt' needs a text 'role'"),
+        (["hi"], "message 0 of the prompt column 'prompt' is str, not an object"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            "message 1 of the prompt column 'prompt' has role 'assistant', not 'user'",
+        ),
+    ],
+)
+def test_malformed_messages_name_line_message_and_the_shape(tmp_path, prompt, problem):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": prompt}])
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: {problem}")) as info:
+        load_examples(path)
+    assert "ending with a user turn" in str(info.value)
+
+
+def test_conversation_collates_with_system_prompt_and_instruction():
+    from rlvr_lightning.data.datamodule import collate_examples
+
+    chat = Example("d:1", "Be brief.\n\n1 + 1?", {"answer": "2"}, CHAT)
+    bare = Example("d:2", "2 + 2?", {}, [CHAT[1]])
+    batch = collate_examples([chat, bare], "System.", "Box it.")
+    # The row's own system turn wins; the data module's goes where there is none.
+    assert batch.messages[0] == [CHAT[0], {"role": "user", "content": "1 + 1?\n\nBox it."}]
+    assert batch.messages[1][0] == {"role": "system", "content": "System."}
+    assert batch.columns["prompts"] == batch.messages  # conversations: the message lists
+    assert CHAT[1]["content"] == "1 + 1?"  # the example itself is unchanged
+    text = collate_examples([Example("d:3", "3 + 3?", {})], "System.", "Box it.")
+    assert text.columns["prompts"] == ["3 + 3?\n\nBox it."]  # text prompts: the user turn

@@ -208,3 +208,61 @@ def test_nan_policy_fail_scores_zero_and_counts(caplog: pytest.LogCaptureFixture
 def test_nan_policy_validated() -> None:
     with pytest.raises(ValueError, match="nan_policy must be 'error' or 'fail'"):
         RewardCombiner([exact], nan_policy="skip")  # type: ignore[arg-type]
+
+
+# --- the TRL-compatible part of the contract ------------------------------------------------
+
+
+def trl_order(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    return [float(c.startswith(p)) for p, c in zip(prompts, completions, strict=True)]
+
+
+def keyword_only(*, completions: list[str], answer: list[str]) -> list[float]:
+    return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+async def async_reward(completions: list[str], answer: list[str]) -> list[float]:
+    return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+async def async_fails_on_bad(completions: list[str]) -> list[float]:
+    if "bad" in completions:
+        raise RuntimeError("cannot score 'bad'")
+    return [1.0] * len(completions)
+
+
+def test_completions_by_keyword_when_a_parameter_is_named_completions() -> None:
+    combiner = RewardCombiner([trl_order, keyword_only], timeout_s=None)
+    result = combiner(["ab", "x"], {"prompts": ["a", "a"], "answer": ["ab", "y"]})
+    torch.testing.assert_close(result.per_function["trl_order"], torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(result.per_function["keyword_only"], torch.tensor([1.0, 0.0]))
+    assert combiner.required_columns() == {"trl_order": ("prompts",), "keyword_only": ("answer",)}
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])  # inline, and in a thread
+def test_async_rewards_are_awaited(timeout_s: float | None) -> None:
+    combiner = RewardCombiner([async_reward, async_fails_on_bad], timeout_s=timeout_s)
+    result = combiner(["a", "bad"], {"answer": ["a", "b"]})
+    torch.testing.assert_close(result.per_function["async_reward"], torch.tensor([1.0, 0.0]))
+    # The batch raised, the row retry (awaited too) costs only the bad row.
+    torch.testing.assert_close(result.per_function["async_fails_on_bad"], torch.tensor([1.0, 0.0]))
+    assert result.metrics["reward/async_fails_on_bad/failures"] == 1.0
+
+
+def test_async_reward_inside_a_running_event_loop() -> None:
+    import asyncio
+
+    async def inside() -> torch.Tensor:
+        return RewardCombiner([async_reward], timeout_s=None)(["a"], {"answer": ["a"]}).total
+
+    torch.testing.assert_close(asyncio.run(inside()), torch.tensor([1.0]))
+
+
+def test_check_available_names_reward_column_and_columns() -> None:
+    combiner = RewardCombiner([exact, trl_order], timeout_s=None)
+    combiner.check_available(["answer"], "training source 'd'")  # prompts: the module's
+    with pytest.raises(ValueError) as info:
+        combiner.check_available(["topic"], "training source 'd'")
+    message = str(info.value)
+    assert "Reward function 'exact' needs column 'answer'" in message
+    assert "training source 'd' has only ['topic'] (plus prompts, completion_ids" in message
