@@ -26,7 +26,7 @@ INSTRUCTION = "Put the final answer in \\boxed{}."
 
 
 def _prompts(module, n: int):
-    from rlvr_lightning.data.datamodule import to_messages
+    from rlvr_lightning.data.prompts import to_messages
     from rlvr_lightning.data.tasks import addition_examples
     from rlvr_lightning.types import PromptBatch
 

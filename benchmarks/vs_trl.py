@@ -59,7 +59,7 @@ def run_trl(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlvr_lightning.data.datamodule import to_messages
+    from rlvr_lightning.data.prompts import to_messages
     from rlvr_lightning.models import embedded_model_path
     from rlvr_lightning.rewards import boxed_accuracy, boxed_format
 

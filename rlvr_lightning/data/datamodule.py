@@ -30,6 +30,7 @@ from rlvr_lightning.data.mixture import (
     source_specs,
     validate_source,
 )
+from rlvr_lightning.data.prompts import collate_examples, source_columns, to_messages
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
 from rlvr_lightning.data.stats import (
@@ -47,65 +48,6 @@ from rlvr_lightning.data.stream import (
     set_rng_state,
 )
 from rlvr_lightning.types import PromptBatch, StepOutput
-
-Messages = list[dict[str, str]]
-
-
-def to_messages(prompt: str, system_prompt: str | None, instruction: str | None) -> Messages:
-    """Chat messages of a prompt: optional system turn, then the user turn.
-
-    The instruction follows the question after a blank line, so the question reads as written;
-    ``None`` or ``""`` adds nothing.
-    """
-    content = f"{prompt}\n\n{instruction}" if instruction else prompt
-    system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    return [*system, {"role": "user", "content": content}]
-
-
-def example_messages(
-    example: Example, system_prompt: str | None, instruction: str | None
-) -> Messages:
-    """Chat messages of an example: ``to_messages`` for a text prompt; a conversation as
-    written, with ``system_prompt`` prepended only when it has no system turn of its own and
-    ``instruction`` appended to its last (user) turn after a blank line."""
-    if example.messages is None:
-        return to_messages(example.prompt, system_prompt, instruction)
-    messages = [dict(m) for m in example.messages]
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    if instruction:
-        messages[-1]["content"] = f"{messages[-1]['content']}\n\n{instruction}"
-    return messages
-
-
-def collate_examples(
-    examples: Sequence[Example], system_prompt: str | None, instruction: str | None
-) -> PromptBatch:
-    """A ``PromptBatch`` of examples; a column missing from some examples is ``None`` there.
-
-    The ``prompts`` column is what reward functions get as ``prompts`` (TRL's meaning): the
-    user turn's text for a text prompt, the message list for a conversation, both with the
-    system prompt and instruction applied and no chat template.
-    """
-    names = list(dict.fromkeys(name for e in examples for name in e.columns))
-    messages = [example_messages(e, system_prompt, instruction) for e in examples]
-    columns = {name: [e.columns.get(name) for e in examples] for name in names}
-    columns["prompts"] = [
-        m[-1]["content"] if e.messages is None else m
-        for e, m in zip(examples, messages, strict=True)
-    ]
-    return PromptBatch(
-        prompt_ids=[e.prompt_id for e in examples], messages=messages, columns=columns
-    )
-
-
-def source_columns(examples: Sequence[Example]) -> dict[str, list[str]]:
-    """The columns each source's examples have (any row), the source read from the id."""
-    found: dict[str, dict[str, None]] = {}
-    for e in examples:
-        names = found.setdefault(e.prompt_id.rsplit(":", 1)[0], {})
-        names.update(dict.fromkeys(e.columns))
-    return {source: list(names) for source, names in found.items()}
 
 
 def _keep(batch: PromptBatch) -> PromptBatch:

@@ -281,7 +281,7 @@ def test_malformed_messages_name_line_message_and_the_shape(tmp_path, prompt, pr
 
 
 def test_conversation_collates_with_system_prompt_and_instruction():
-    from rlvr_lightning.data.datamodule import collate_examples
+    from rlvr_lightning.data.prompts import collate_examples
 
     chat = Example("d:1", "Be brief.\n\n1 + 1?", {"answer": "2"}, CHAT)
     bare = Example("d:2", "2 + 2?", {}, [CHAT[1]])
