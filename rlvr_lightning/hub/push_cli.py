@@ -33,9 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", default=None, help="Hub URL (default: HF_ENDPOINT)")
     parser.add_argument("--export-dir", default=None, help="checkpoints: where to export")
     parser.add_argument("--adapter-only", action="store_true", help="checkpoints: LoRA adapter")
+    _card_options(parser)
+    return parser
+
+
+def _card_options(parser: argparse.ArgumentParser) -> None:
+    """The model card options both commands take."""
     parser.add_argument("--card-template", default="default", help="card template name or path")
     parser.add_argument("--license", default="apache-2.0", help="license in the card metadata")
-    return parser
 
 
 def build_export_parser() -> argparse.ArgumentParser:
@@ -48,8 +53,7 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default=None, help="target folder (default: <name>-export)")
     parser.add_argument("--repo-id", default=None, help="the Hub name the card's usage shows")
     parser.add_argument("--adapter-only", action="store_true", help="LoRA: the adapter alone")
-    parser.add_argument("--card-template", default="default", help="card template name or path")
-    parser.add_argument("--license", default="apache-2.0", help="license in the card metadata")
+    _card_options(parser)
     return parser
 
 
