@@ -16,7 +16,12 @@ from argparse import ArgumentError
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    Callback,
+    ModelCheckpoint,
+    ProgressBar,
+)
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -24,7 +29,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from rlvr_lightning import checkpointing, cli_errors
-from rlvr_lightning.callbacks import StepProgressBar
+from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
 
@@ -56,6 +61,8 @@ class RLVRCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         config = {**config, "plugins": checkpointing.with_atomic_io(config.get("plugins"))}
         callbacks = with_step_progress(config, checkpointing.with_guard(callbacks))
+        if self.subcommand == "predict":
+            callbacks = with_prediction_writer(config, callbacks)
         return super()._instantiate_trainer(config, callbacks)
 
     def _evaluate(self) -> dict[str, float]:
@@ -99,6 +106,17 @@ def with_step_progress(config: dict[str, Any], callbacks: list[Callback]) -> lis
     return [*callbacks, StepProgressBar()]
 
 
+def with_prediction_writer(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` plus a ``PredictionWriter`` to ``<default_root_dir>/predictions.jsonl``
+    unless a prediction writer is configured: ``predict`` always leaves a file behind."""
+    given = config.get("callbacks") or []
+    configured = [*(given if isinstance(given, list) else [given]), *callbacks]
+    if any(isinstance(cb, BasePredictionWriter) for cb in configured):
+        return callbacks
+    root = config.get("default_root_dir") or os.getcwd()
+    return [*callbacks, PredictionWriter(os.path.join(root, "predictions.jsonl"))]
+
+
 def _has_last_checkpoint(trainer: Trainer) -> bool:
     """Whether Lightning's ``ckpt_path="last"`` would find a file (its own lookup)."""
     found: set[str] = set()
@@ -131,6 +149,15 @@ _FIT_HELP = (
     "fit --model.help RLVRModule` and `--data.help RLVRDataModule`; `--config FILE "
     "--print_config` prints a whole config as YAML (start from configs/tiny.yaml)."
 )
+_TEST_HELP = (
+    "Evaluates on the test set (logged as test/*): data.test_source, or the data.test_split "
+    "(default: test) of Hub and repository-folder sources."
+)
+_PREDICT_HELP = (
+    "Samples val_sampling.group_size completions per prompt (data.predict_on: val or test) and "
+    "writes them with every reward and per-prompt pass@k to <default_root_dir>/predictions.jsonl "
+    "(or the path of a configured PredictionWriter callback)."
+)
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
@@ -144,6 +171,8 @@ def build_cli(
     """
     parser_kwargs: dict[str, Any] = {s: {"exit_on_error": exit_on_error} for s in _SUBCOMMANDS}
     parser_kwargs["fit"]["description"] = _FIT_HELP
+    parser_kwargs["test"]["description"] = _TEST_HELP
+    parser_kwargs["predict"]["description"] = _PREDICT_HELP
     return RLVRCLI(
         RLVRModule,
         RLVRDataModule,

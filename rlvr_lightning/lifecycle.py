@@ -14,6 +14,8 @@ import lightning.pytorch as pl
 import torch
 
 from rlvr_lightning import checkpointing
+from rlvr_lightning.metrics import EvalMetrics
+from rlvr_lightning.predictions import prediction_records
 from rlvr_lightning.types import PromptBatch, Sampling
 
 log = logging.getLogger("rlvr_lightning.module")
@@ -91,29 +93,32 @@ class StepLifecycle(pl.LightningModule):
     # ---- validation ------------------------------------------------------------------------
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_metrics)
+
+    def test_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_metrics)
+
+    def _evaluate(self, batch: PromptBatch, stage: str, metrics: EvalMetrics) -> None:
+        """Greedy accuracy and reward, plus pass@k of ``val_sampling`` when it samples k > 1."""
         greedy = Sampling(
             max_new_tokens=self.val_sampling.max_new_tokens, temperature=0.0, group_size=1
         )
         scored = self.score(batch, self.rollout(batch, greedy))
-        self.val_accuracy.update(scored.correct.float())
-        self.val_reward.update(scored.rewards)
-        self.log("val/accuracy", self.val_accuracy, prog_bar=True, batch_size=len(batch))
-        self.log("val/reward", self.val_reward, batch_size=len(batch))
-        if self.val_pass_at_k is not None:
+        metrics.accuracy.update(scored.correct.float())
+        metrics.reward.update(scored.rewards)
+        self.log(f"{stage}/accuracy", metrics.accuracy, prog_bar=True, batch_size=len(batch))
+        self.log(f"{stage}/reward", metrics.reward, batch_size=len(batch))
+        if metrics.pass_at_k is not None:
             sampled = self.score(batch, self.rollout(batch, self.val_sampling))
-            self.val_pass_at_k.update(sampled.correct.view(len(batch), -1))
-            self.log(f"val/pass@{self.val_pass_at_k.k}", self.val_pass_at_k, batch_size=len(batch))
-
-    def test_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
+            metrics.pass_at_k.update(sampled.correct.view(len(batch), -1))
+            name = f"{stage}/pass@{metrics.pass_at_k.k}"
+            self.log(name, metrics.pass_at_k, batch_size=len(batch))
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> list[dict[str, Any]]:
-        rollouts = self.rollout(batch, self.val_sampling)
-        g = rollouts.group_size
-        return [
-            {"prompt_id": batch.prompt_ids[i // g], "completion": text}
-            for i, text in enumerate(rollouts.completions)
-        ]
+        """One record per prompt: its ``val_sampling.group_size`` completions with every
+        reward, and pass@1 / pass@k (see ``prediction_records``)."""
+        scored = self.score(batch, self.rollout(batch, self.val_sampling))
+        return prediction_records(batch, scored)
 
     # ---- optimisation ----------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torchmetrics import Metric
+from torchmetrics import MeanMetric, Metric
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,3 +40,13 @@ class PassAtK(Metric):
 
     def compute(self) -> torch.Tensor:
         return (self.total / self.count.clamp(min=1)).float()
+
+
+class EvalMetrics(torch.nn.Module):
+    """Greedy accuracy, mean reward and (with ``k > 1`` samples per prompt) pass@k of one
+    evaluation stage, logged as ``<stage>/accuracy``, ``<stage>/reward``, ``<stage>/pass@k``."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.accuracy, self.reward = MeanMetric(), MeanMetric()
+        self.pass_at_k = PassAtK(k) if k > 1 else None

@@ -13,14 +13,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from torchmetrics import MeanMetric
 
 from rlvr_lightning import build, models
 from rlvr_lightning.dynamic import keep_first, refill_step
 from rlvr_lightning.generation import GenerationStage
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
-from rlvr_lightning.metrics import PassAtK
+from rlvr_lightning.metrics import EvalMetrics
 from rlvr_lightning.offpolicy import mixed_advantages
 from rlvr_lightning.optimise import UpdateStage
 from rlvr_lightning.outcomes import InformativeBy, informative_groups, sampled_rows
@@ -219,10 +218,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         resolve_engine(engine, policy)  # a missing vLLM is a setup error; built on first use
         self._engine: RolloutEngine | None = None
         self._engine_synced_at = 0  # global step whose weights the engine holds
-        self.val_accuracy, self.val_reward = MeanMetric(), MeanMetric()
-        self.val_pass_at_k = (
-            PassAtK(val_sampling.group_size) if val_sampling.group_size > 1 else None
-        )
+        self.val_metrics = EvalMetrics(val_sampling.group_size)
+        self.test_metrics = EvalMetrics(val_sampling.group_size)
         self.last_step: StepOutput | None = None
         self.step_batch: PromptBatch | None = None  # prompts of the rows being scored
         self._rollout_step = 0

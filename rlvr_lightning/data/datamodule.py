@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -24,10 +24,14 @@ from rlvr_lightning.data.mixture import (
     AnswerFormat,
     SourceSpec,
     apply_answer_format,
+    check_load_options,
+    drop_long_prompts,
     limit_prompts,
+    load_test_examples,
     mixture_splits,
     model_prompt_limit,
     source_specs,
+    test_specs,
     validate_source,
 )
 from rlvr_lightning.data.prompts import collate_examples, source_columns, to_messages
@@ -72,8 +76,11 @@ class RLVRDataModule(pl.LightningDataModule):
 
     Args:
         source: ``addition``, ``multiplication``, ``gym:<name>`` (a reasoning-gym dataset, e.g.
-            ``gym:chain_sum``), a path to a ``.jsonl``/``.parquet`` file or a folder written by
-            ``datasets.Dataset.save_to_disk``; or a list of ``SourceSpec`` mixed by weight.
+            ``gym:chain_sum``), a data file (``.jsonl``, ``.json``, ``.csv``, ``.parquet``), a
+            folder (``datasets.Dataset.save_to_disk``, or laid out like a Hub dataset repo), a
+            Hugging Face Hub dataset id (``org/name``, read with ``datasets.load_dataset``); or
+            a list of ``SourceSpec`` mixed by weight (where ``config``, ``split``,
+            ``revision``, ``streaming`` and ``max_rows`` of a dataset are set).
         task_config: keyword arguments of the task generator (``addition``/``multiplication``:
             ``digits``; ``gym:<name>``: fields of the reasoning-gym config except size and seed).
         val_source: a validation file or folder; when unset, validation is a held-out split of
@@ -95,6 +102,11 @@ class RLVRDataModule(pl.LightningDataModule):
             (4096); without such a module, None keeps all.
         system_prompt: content of a system message placed before every prompt.
         instruction: text appended to every question after a blank line; ``null`` for none.
+        test_source: what the ``test`` subcommand evaluates (same forms as ``source``); when
+            unset, the ``test_split`` of every source that has splits (Hub ids, repository
+            folders).
+        test_split: the split ``test`` reads when ``test_source`` is unset.
+        predict_on: what ``predict`` samples: ``val`` (the validation prompts) or ``test``.
         prompts_per_step: prompts per training step on each device.
         val_prompts_per_batch: prompts per validation batch.
         replay: online prompt replay (spec §1); None disables it.
@@ -117,6 +129,9 @@ class RLVRDataModule(pl.LightningDataModule):
         instruction: str | None = "Put the final answer in \\boxed{}.",
         prompts_per_step: int = 8,
         val_prompts_per_batch: int = 64,
+        test_source: str | list[SourceSpec] | None = None,
+        test_split: str = "test",
+        predict_on: Literal["val", "test"] = "val",
         replay: PromptReplay | None = None,
         curriculum: VarianceCurriculum | None = None,
         stats_history: int = 8,
@@ -133,10 +148,22 @@ class RLVRDataModule(pl.LightningDataModule):
         self.specs = source_specs(source, task_config, columns, answer_format)
         for spec in self.specs:
             validate_source(spec.source, spec.task_config, val_source, spec.columns)
-        self.save_hyperparameters(ignore=["source", "replay", "curriculum"])
+            check_load_options(spec)
+        self._test_specs = (
+            None
+            if test_source is None
+            else test_specs(self.specs, test_source, test_split, answer_format)
+        )
+        self.test_split, self.predict_on = test_split, predict_on
+        self.save_hyperparameters(ignore=["source", "test_source", "replay", "curriculum"])
         # Plain data only, so checkpoints load with weights_only=True and cards can show them.
         self.hparams["source"] = (
             source if isinstance(source, str) else [vars(s) for s in self.specs]
+        )
+        self.hparams["test_source"] = (
+            test_source
+            if test_source is None or isinstance(test_source, str)
+            else [vars(s) for s in self._test_specs or []]
         )
         for name, strategy in (("replay", replay), ("curriculum", curriculum)):
             self.hparams[name] = None if strategy is None else dict(strategy.config)
@@ -148,6 +175,7 @@ class RLVRDataModule(pl.LightningDataModule):
         self.stats = PromptStats(stats_history)
         self.train_examples: list[Example] = []
         self.val_examples: list[Example] = []
+        self.test_examples: list[Example] = []
         self.steps = 0  # training steps reported through on_step_output
         self.last_observed: list[Observation] = []  # the last reported step, all ranks
         self._cursor = StreamCursor()
@@ -294,11 +322,11 @@ class RLVRDataModule(pl.LightningDataModule):
     @override
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
+        return self._eval_loader(self.val_examples)
+
+    def _eval_loader(self, examples: list[Example]) -> DataLoader:
         size = self.val_prompts_per_batch
-        batches = [
-            self._collate(self.val_examples[i : i + size])
-            for i in range(0, len(self.val_examples), size)
-        ]
+        batches = [self._collate(examples[i : i + size]) for i in range(0, len(examples), size)]
         # A list is a map-style dataset: under DDP Lightning shards it across ranks.
         return DataLoader(
             batches, batch_size=None, shuffle=False, collate_fn=_keep, generator=self._loader_rng()
@@ -309,13 +337,33 @@ class RLVRDataModule(pl.LightningDataModule):
         # global RNG (which sampling uses) alone, so resumes and validation don't shift it.
         return torch.Generator().manual_seed(self.seed)
 
+    def load_test(self) -> list[Example]:
+        """The test set (``test_source``, or the ``test_split`` of the sources), loaded once;
+        prompts over the prompt limit are skipped as in training."""
+        if not self.test_examples:
+            specs = self._test_specs or test_specs(
+                self.specs, None, self.test_split, self.specs[0].answer_format
+            )
+            examples = load_test_examples(specs)
+            limit = self._prompt_limit()
+            if limit is not None:
+                examples = drop_long_prompts(
+                    examples, self._token_counter(), *limit[:1], "test", limit[1]
+                )
+            self.test_examples = examples
+        return self.test_examples
+
     @override
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        self.setup("test")
+        return self._eval_loader(self.load_test())
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        self.setup("predict")
+        return self._eval_loader(
+            self.load_test() if self.predict_on == "test" else self.val_examples
+        )
 
     # --- what the module reports -----------------------------------------------------------
 

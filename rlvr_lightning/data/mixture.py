@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rlvr_lightning.data.library import LoadOptions, has_splits
 from rlvr_lightning.data.sources import (
     Example,
     drop_overlap,
@@ -29,13 +30,22 @@ class SourceSpec:
     """One data source of a mixture.
 
     Args:
-        source: a task (``addition``, ``multiplication``, ``gym:<name>``) or a data file/folder.
+        source: a task (``addition``, ``multiplication``, ``gym:<name>``), a data file
+            (``.jsonl``, ``.json``, ``.csv``, ``.parquet``) or folder (``save_to_disk``, or laid
+            out like a Hub dataset repository), or a Hugging Face Hub dataset id (``org/name``).
         weight: share of the training stream, relative to the other sources' weights.
         task_config: task generator arguments (tasks only).
         columns: ``our name -> file column`` (files only).
         answer_format: ``plain`` uses the answer column as is; ``gsm8k`` takes the text after
             ``####`` of the answer column and keeps the full text as ``solution``; ``boxed``
             takes the last ``\\boxed{}`` of the ``solution`` column (MATH style).
+        config: the dataset's configuration (``load_dataset(name=...)``), e.g. ``main`` for
+            ``openai/gsm8k``; Hub ids and repository folders only.
+        split: the split to read (Hub ids, repository folders, CSV/JSON files).
+        revision: a Hub branch, tag or commit, so a run reads the same data again.
+        streaming: read rows as they download instead of fetching the whole dataset first;
+            only the first ``max_rows`` rows (default: ``train_size + val_size``) are read.
+        max_rows: read at most this many rows, the first ones (None: all, unless streaming).
     """
 
     source: str
@@ -43,6 +53,17 @@ class SourceSpec:
     task_config: dict[str, Any] | None = None
     columns: dict[str, str] | None = None
     answer_format: AnswerFormat = "plain"
+    config: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    streaming: bool = False
+    max_rows: int | None = None
+
+    def load_options(self, default_rows: int | None) -> LoadOptions:
+        """How ``datasets.load_dataset`` reads this source; ``default_rows`` bounds streaming
+        when ``max_rows`` is unset (None: read every row)."""
+        rows = self.max_rows if self.max_rows is not None or not self.streaming else default_rows
+        return LoadOptions(self.config, self.split, self.revision, self.streaming, rows)
 
 
 def _with_answer(example: Example, answer: str, solution: str | None) -> Example:
@@ -187,9 +208,8 @@ def source_splits(
     """``(train, held-out validation)`` examples of one source."""
     if is_task_source(spec.source):
         return task_examples(spec.source, spec.task_config, train_size, val_size, seed)
-    examples = apply_answer_format(
-        load_examples(spec.source, spec.columns), spec.answer_format, spec.source
-    )
+    loaded = load_examples(spec.source, spec.columns, spec.load_options(train_size + val_size))
+    examples = apply_answer_format(loaded, spec.answer_format, spec.source)
     return holdout_split(examples, val_size, seed) if val_size else (examples, [])
 
 
@@ -256,13 +276,30 @@ def validate_source(
         )
     if val_source is not None and not is_path_source(val_source):
         raise ValueError(
-            f"val_source must be a .jsonl/.parquet file or a saved datasets folder, got "
-            f"{val_source!r}; leave it unset to hold out val_size examples of source."
+            f"val_source must be a data file (.jsonl, .json, .csv, .parquet), a dataset folder "
+            f"or a Hub dataset id (org/name), got {val_source!r}; leave it unset to hold out "
+            "val_size examples of source."
         )
     if columns is not None and is_task_source(source) and val_source is None:
         raise ValueError(
             "columns maps the columns of data files, but source is a procedural task and there "
             "is no val_source; remove columns."
+        )
+
+
+def check_load_options(spec: SourceSpec) -> None:
+    """Procedural tasks take no dataset options: a set one is a mistake, not ignored."""
+    given = {
+        name: value
+        for name, value in (("config", spec.config), ("revision", spec.revision))
+        if value is not None
+    }
+    given.update({"split": spec.split} if spec.split != "train" else {})
+    given.update({"streaming": True} if spec.streaming else {})
+    if given and is_task_source(spec.source):
+        raise ValueError(
+            f"{sorted(given)} apply to datasets (files, folders, Hub ids), but source "
+            f"{spec.source!r} is a procedural task; remove them or point source at a dataset."
         )
 
 
@@ -281,3 +318,33 @@ def source_specs(
             "columns: {prompt: question}}]."
         )
     return [s if isinstance(s, SourceSpec) else SourceSpec(**s) for s in source]
+
+
+def test_specs(
+    specs: Sequence[SourceSpec],
+    test_source: str | list[SourceSpec] | None,
+    test_split: str,
+    answer_format: AnswerFormat,
+) -> list[SourceSpec]:
+    """The sources ``test`` evaluates: ``test_source``, else ``test_split`` of every source that
+    has splits (Hub ids, repository folders); a ValueError names the fix when there is none."""
+    if test_source is not None:
+        first = specs[0]
+        return source_specs(test_source, None, first.columns, answer_format)
+    split_sources = [s for s in specs if has_splits(s.source)]
+    if not split_sources:
+        names = [s.source for s in specs]
+        raise ValueError(
+            f"`test` needs a test set, and the sources {names} have no splits (procedural tasks "
+            "and single files). Set data.test_source to a file or Hub dataset, or run `validate`."
+        )
+    return [dataclasses.replace(s, split=test_split, weight=1.0) for s in split_sources]
+
+
+def load_test_examples(specs: Sequence[SourceSpec]) -> list[Example]:
+    """Every row of each test source, in order (no hold-out, no resampling)."""
+    examples: list[Example] = []
+    for spec in specs:
+        loaded = load_examples(spec.source, spec.columns, spec.load_options(None))
+        examples += apply_answer_format(loaded, spec.answer_format, spec.source)
+    return examples

@@ -14,9 +14,12 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from rlvr_lightning.data.library import LoadOptions
 
 DEFAULT_COLUMNS: Mapping[str, str] = {"prompt": "prompt"}
 """Column mapping used when none is given: ``our name -> the dataset's column``. Unmapped
@@ -69,8 +72,10 @@ def make_prompt_id(source: str, prompt: str, answer: object) -> str:
 
 
 def is_path_source(source: str) -> bool:
-    """Whether ``source`` names a file or folder rather than a task."""
-    return source.endswith(FILE_SUFFIXES) or "/" in source or Path(source).exists()
+    """Whether ``source`` names data (a file, a folder or a Hub dataset ``org/name``) rather
+    than a task."""
+    named = source.endswith((*FILE_SUFFIXES, ".csv", ".json")) or "/" in source
+    return named or Path(source).exists()
 
 
 def source_name(path: str | Path) -> str:
@@ -202,8 +207,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         return read_parquet(path)
     raise ValueError(
-        f"Unsupported data file {path}: use .jsonl, .parquet or a folder written by "
-        "datasets.Dataset.save_to_disk."
+        f"Unsupported data file {path}: use .jsonl, .json, .csv, .parquet, a folder written by "
+        "datasets.Dataset.save_to_disk, or a Hub dataset id (org/name)."
     )
 
 
@@ -342,21 +347,33 @@ def examples_from_rows(
     return examples
 
 
-def _located_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[int] | None]:
+def _located_rows(
+    path: str | Path, options: LoadOptions | None
+) -> tuple[list[dict[str, Any]], list[int] | None]:
     """Rows of a source and, for a JSONL file, the line each row is on."""
+    from rlvr_lightning.data.library import LoadOptions, library_rows, uses_library
+
+    if uses_library(str(path)):
+        return library_rows(str(path), options or LoadOptions()), None
     if Path(path).suffix == ".jsonl" and Path(path).is_file():
         records = list(jsonl_records(path))
         return [row for _, row in records], [lineno for lineno, _ in records]
     return read_rows(path), None
 
 
-def load_examples(path: str | Path, columns: Mapping[str, str] | None = None) -> list[Example]:
-    """Examples of a ``.jsonl``/``.parquet`` file or a saved ``datasets`` folder.
+def load_examples(
+    path: str | Path,
+    columns: Mapping[str, str] | None = None,
+    options: LoadOptions | None = None,
+) -> list[Example]:
+    """Examples of a ``.jsonl``/``.parquet`` file, a saved ``datasets`` folder, or a source
+    read through the ``datasets`` library (Hub id, CSV/JSON, dataset repo folder; ``options``
+    pick its config, split, revision, streaming and row limit: ``library.LoadOptions``).
 
     Errors name the file and, for JSONL, the line; a source without rows or without a
     non-empty prompt raises a ``DataError``.
     """
-    rows, lines = _located_rows(path)
+    rows, lines = _located_rows(path, options)
     if not rows:
         raise DataError(
             f"{path}: holds no rows. Point source at a non-empty dataset (JSONL: one JSON object "

@@ -122,9 +122,9 @@ def test_empty_prompts_are_skipped_and_counted(tmp_path):
 
 
 def test_unsupported_and_missing_files(tmp_path):
-    (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"use \.jsonl, \.parquet"):
-        read_rows(tmp_path / "d.csv")
+    (tmp_path / "d.txt").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"use \.jsonl, \.json, \.csv, \.parquet"):
+        read_rows(tmp_path / "d.txt")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_rows(tmp_path / "nope.jsonl")
 

@@ -126,8 +126,9 @@ def test_val_batches_are_fixed_ordered_and_sized():
     assert [len(b) for b in batches] == [16, 16, 16, 2]
     flat = list(itertools.chain.from_iterable(b.prompt_ids for b in batches))
     assert flat == [e.prompt_id for e in dm.val_examples]
-    assert [b.prompt_ids for b in dm.test_dataloader()] == [b.prompt_ids for b in batches]
     assert [b.prompt_ids for b in dm.predict_dataloader()] == [b.prompt_ids for b in batches]
+    with pytest.raises(ValueError, match=r"data\.test_source"):
+        dm.test_dataloader()  # a procedural task has no test split: `test` says so
     assert not {e.prompt for e in dm.val_examples} & {e.prompt for e in dm.train_examples}
 
 
