@@ -8,12 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 
-class PredictionWriter(BasePredictionWriter):
+class PredictionWriter(pl.Callback):
     """Write what ``RLVRModule.predict_step`` returns to ``path``, a record per prompt.
 
     Each line holds the prompt, its answer, the completions with their total and per-function
@@ -22,13 +20,17 @@ class PredictionWriter(BasePredictionWriter):
     prompts and the file's path are printed. The file is replaced at the start of each
     ``predict``; under several processes each rank writes ``<stem>.rank<N>.jsonl``.
 
+    A plain callback rather than Lightning's ``BasePredictionWriter``: that one asks the loop for
+    batch indices, which a loader of pre-collated prompt batches does not have (it warns on
+    every run), and the records carry their ``prompt_id`` anyway.
+
     Args:
         path: the JSONL file; the ``predict`` subcommand adds this callback with
             ``<trainer.default_root_dir>/predictions.jsonl`` when none is configured.
     """
 
     def __init__(self, path: str | Path = "predictions.jsonl") -> None:
-        super().__init__(write_interval="batch")
+        super().__init__()
         self.path = Path(path)
         self._sums: dict[str, float] = {}
         self._count = 0
@@ -45,18 +47,17 @@ class PredictionWriter(BasePredictionWriter):
         self._sums, self._count = {}, 0
 
     @override
-    def write_on_batch_end(
+    def on_predict_batch_end(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        prediction: Sequence[dict[str, Any]],
-        batch_indices: Sequence[int] | None,
+        outputs: Sequence[dict[str, Any]],
         batch: Any,
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
         with self._file(trainer).open("a", encoding="utf-8") as f:
-            for record in prediction:
+            for record in outputs:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 for key, value in record.items():
                     if key.startswith("pass@"):
@@ -66,4 +67,5 @@ class PredictionWriter(BasePredictionWriter):
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         means = ", ".join(f"{k} {v / max(self._count, 1):.3f}" for k, v in self._sums.items())
-        rank_zero_info(f"Wrote {self._count} prompts to {self._file(trainer)} ({means}).")
+        if trainer.is_global_zero:  # the command's result: printed, not logged
+            print(f"Wrote {self._count} prompts to {self._file(trainer)} ({means}).")

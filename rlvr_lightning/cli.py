@@ -111,7 +111,7 @@ def with_prediction_writer(config: dict[str, Any], callbacks: list[Callback]) ->
     unless a prediction writer is configured: ``predict`` always leaves a file behind."""
     given = config.get("callbacks") or []
     configured = [*(given if isinstance(given, list) else [given]), *callbacks]
-    if any(isinstance(cb, BasePredictionWriter) for cb in configured):
+    if any(isinstance(cb, (BasePredictionWriter, PredictionWriter)) for cb in configured):
         return callbacks
     root = config.get("default_root_dir") or os.getcwd()
     return [*callbacks, PredictionWriter(os.path.join(root, "predictions.jsonl"))]
