@@ -5,7 +5,7 @@ within every repetition. A worker trains ``warmup + steps`` optimiser steps and 
 time between consecutive step ends (the warm-up steps are dropped) and its peak RSS.
 
     python benchmarks/vs_trl.py                     # needs trl: pip install -e '.[bench]'
-    python benchmarks/vs_trl.py --sides rlvr,trl,rlvr-vllm --vllm-python /work/venv-vllm/bin/python
+    python benchmarks/vs_trl.py --sides rlvr,trl,rlvr-vllm --vllm-python .venv-vllm/bin/python
 
 Configuration shared by both sides: the embedded SmolLM2-135M-Instruct, one-digit addition,
 ``prompts`` x ``group`` completions per step, ``max_new_tokens`` new tokens at temperature 1,

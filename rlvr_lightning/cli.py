@@ -30,6 +30,7 @@ from torchmetrics import Metric
 
 from rlvr_lightning import checkpointing, cli_errors
 from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
+from rlvr_lightning.command import COMMANDS, TRAINER_COMMANDS, print_overview
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
 
@@ -139,26 +140,7 @@ def reset_metric_states(module: Module) -> None:
             metric.reset()
 
 
-_OTHER_COMMANDS = (
-    "Other commands: `rlvr-lightning push PATH --repo-id org/name` uploads an export folder or a "
-    "checkpoint to the Hugging Face Hub; `rlvr-lightning export CKPT` writes a checkpoint as a "
-    "from_pretrained folder with its model card (each with --help)."
-)
-_FIT_HELP = (
-    "Runs the full optimization routine. The model and data keys are listed by `rlvr-lightning "
-    "fit --model.help RLVRModule` and `--data.help RLVRDataModule`; `--config FILE "
-    "--print_config` prints a whole config as YAML (start from configs/tiny.yaml)."
-)
-_TEST_HELP = (
-    "Evaluates on the test set (logged as test/*): data.test_source, or the data.test_split "
-    "(default: test) of Hub and repository-folder sources."
-)
-_PREDICT_HELP = (
-    "Samples val_sampling.group_size completions per prompt (data.predict_on: val or test) and "
-    "writes them with every reward and per-prompt pass@k to <default_root_dir>/predictions.jsonl "
-    "(or the path of a configured PredictionWriter callback)."
-)
-_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_EPILOG = "Other commands: push, export (`rlvr-lightning --help` describes every command)."
 
 
 def build_cli(
@@ -169,10 +151,9 @@ def build_cli(
     ``exit_on_error=False`` raises parse errors (``argparse.ArgumentError``) instead of printing
     the usage and exiting, so ``main`` can report them in its own format.
     """
-    parser_kwargs: dict[str, Any] = {s: {"exit_on_error": exit_on_error} for s in _SUBCOMMANDS}
-    parser_kwargs["fit"]["description"] = _FIT_HELP
-    parser_kwargs["test"]["description"] = _TEST_HELP
-    parser_kwargs["predict"]["description"] = _PREDICT_HELP
+    parser_kwargs: dict[str, Any] = {
+        s: {"exit_on_error": exit_on_error, "description": COMMANDS[s]} for s in TRAINER_COMMANDS
+    }
     return RLVRCLI(
         RLVRModule,
         RLVRDataModule,
@@ -181,7 +162,7 @@ def build_cli(
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"exit_on_error": exit_on_error, "epilog": _OTHER_COMMANDS, **parser_kwargs},
+        parser_kwargs={"exit_on_error": exit_on_error, "epilog": _EPILOG, **parser_kwargs},
         # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
         # --optimizer/--lr_scheduler would replace it and ignore model.lr and warmup_steps.
         auto_configure_optimizers=False,
@@ -216,6 +197,8 @@ def main(args: list[str] | None = None) -> None:
     if args is None:
         _import_from_cwd()
     argv = sys.argv[1:] if args is None else list(args)
+    if print_overview(argv):
+        raise SystemExit(0 if argv else 2)
     try:
         _dispatch(argv, from_sys_argv=args is None)
     except SIGTERMException as stop:  # Lightning's own SIGTERM stop exits 0 otherwise
@@ -223,7 +206,7 @@ def main(args: list[str] | None = None) -> None:
     except Exception as err:
         if cli_errors.traceback_requested():
             raise
-        named = [a for a in argv if a in (*_SUBCOMMANDS, "push", "export")]
+        named = [a for a in argv if a in tuple(COMMANDS)]
         command = " ".join(["rlvr-lightning", *named[:1]])
         print(cli_errors.summary(err, command), file=sys.stderr)
         raise SystemExit(2 if isinstance(err, ArgumentError) else 1) from None

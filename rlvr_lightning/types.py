@@ -82,6 +82,22 @@ class Sampling:
     top_k: int = 0
     group_size: int = 1
 
+    def __post_init__(self) -> None:
+        # Checked when the config is read, before any model loads.
+        problems = [
+            f"{name} is {value!r}; {need}"
+            for name, value, bad, need in (
+                ("max_new_tokens", self.max_new_tokens, self.max_new_tokens < 1, "use >= 1"),
+                ("group_size", self.group_size, self.group_size < 1, "use >= 1"),
+                ("temperature", self.temperature, self.temperature < 0, "use >= 0 (0: greedy)"),
+                ("top_p", self.top_p, not 0 < self.top_p <= 1, "use 0 < top_p <= 1"),
+                ("top_k", self.top_k, self.top_k < 0, "use >= 0 (0: off)"),
+            )
+            if bad
+        ]
+        if problems:
+            raise ValueError("Sampling: " + "; ".join(problems) + ".")
+
 
 @dataclass(frozen=True)
 class Rollouts:

@@ -84,11 +84,14 @@ BAD_YAML = "model:\n  init_args:\n    lr_typo: 1.0\n"
         (["--model.init_args.reward_fns=[no_such_rewards.fn]"], 2, "No module named"),
         (["--config", "missing.yaml"], 2, "File does not exist"),
         (["--model.init_args.sampling.group_size=1"], 1, "group_size must be >= 2"),
+        (["--model.init_args.sampling.max_new_tokens=0"], 1, "max_new_tokens is 0; use >= 1"),
+        (["--data.init_args.source=empty.jsonl"], 1, "empty.jsonl: holds no rows"),
     ],
 )
 def test_bad_input_is_reported_in_a_few_lines(tmp_path, monkeypatch, capsys, extra, code, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.yaml").write_text(BAD_YAML)
+    (tmp_path / "empty.jsonl").write_text("")
     err = _fails(capsys, "fit", "--config", CONFIG, *extra, code=code)
     assert err.startswith("rlvr-lightning fit: error")
     assert expected in err and "RLVR_TRACEBACK=1" in err
@@ -111,6 +114,27 @@ def test_help_names_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     assert "--model.help RLVRModule" in capsys.readouterr().out
+
+
+def test_the_overview_help_imports_neither_torch_nor_lightning():
+    # What keeps `rlvr-lightning --help` fast (0.05 s; 5 s when it built LightningCLI).
+    code = (
+        "import sys\n"
+        "from rlvr_lightning.command import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "heavy = sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "push" in done.stdout and "export" in done.stdout
+
+
+def test_a_bare_command_prints_the_overview_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    assert "usage: rlvr-lightning COMMAND" in capsys.readouterr().err
 
 
 def test_a_tiny_run_emits_none_of_the_projects_warnings(tmp_path):

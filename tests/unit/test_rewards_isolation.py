@@ -8,7 +8,9 @@ import doctest
 import os
 import pickle
 import signal
+import sys
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,7 +119,16 @@ def test_contract_checked_on_worker_results(workers: RewardWorkers) -> None:
     assert failed.metrics["reward/nan_values/failures"] == 1.0
 
 
-def test_function_a_worker_cannot_import_fails_clearly(workers: RewardWorkers) -> None:
+def test_function_a_worker_cannot_import_fails_clearly(
+    workers: RewardWorkers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A module that exists only in this process's sys.modules: pickled here by reference, it
+    # cannot be imported in a worker however pytest was started (with the cwd on sys.path,
+    # `tests.unit.test_rewards_isolation` itself would be importable there).
+    here_only = types.ModuleType("rlvr_test_parent_only")
+    monkeypatch.setitem(sys.modules, here_only.__name__, here_only)
+    monkeypatch.setattr(defined_in_a_test_file, "__module__", here_only.__name__)
+    here_only.defined_in_a_test_file = defined_in_a_test_file
     combiner = RewardCombiner([defined_in_a_test_file], isolate=True, workers=workers)
     with pytest.raises(RuntimeError, match="'defined_in_a_test_file' could not be loaded in a"):
         combiner(["a"], {})
