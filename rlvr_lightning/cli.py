@@ -10,8 +10,10 @@ the on-exception checkpoints). Errors are summarised in a few lines (``cli_error
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from argparse import ArgumentError
 from typing import Any
 
@@ -191,6 +193,25 @@ def _dispatch(argv: list[str], from_sys_argv: bool) -> None:
         build_cli(None if from_sys_argv else argv, exit_on_error=False)
 
 
+def _drop_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def silence_library_noise() -> None:
+    """Mute what the libraries print on every normal run and the user can do nothing about:
+    Lightning's advert for its cloud logger (logged at INFO each time loggers are set up) and
+    the FutureWarning Lightning's ``CombinedLoader`` triggers in torch >= 2.13's pytree
+    (``isinstance(treespec, LeafSpec)``). Idempotent."""
+    tip_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _drop_tip not in tip_logger.filters:
+        tip_logger.addFilter(_drop_tip)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+    )
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlvr-lightning`` command; ``args`` makes it callable from tests
     (which then leave ``sys.path`` alone: only the command line imports from the cwd)."""
@@ -199,6 +220,7 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if print_overview(argv):
         raise SystemExit(0 if argv else 2)
+    silence_library_noise()
     try:
         _dispatch(argv, from_sys_argv=args is None)
     except SIGTERMException as stop:  # Lightning's own SIGTERM stop exits 0 otherwise

@@ -1,6 +1,7 @@
 """A new user's first hour through the command line: their own reward module, the optimiser
 options, short errors, the help, and a quiet run."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import main
+from rlvr_lightning.cli import main, silence_library_noise
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -146,3 +147,16 @@ def test_a_tiny_run_emits_none_of_the_projects_warnings(tmp_path):
     assert not [m for m in messages if "transfer_batch_to_device" in m], messages
     assert not [m for m in messages if 'ckpt_path="last"' in m], messages
     assert not [m for m in messages if f"{os.sep}rlvr_lightning{os.sep}" in m], messages
+    assert not [m for m in messages if "LeafSpec" in m], messages  # Lightning vs torch 2.13
+
+
+def test_lightnings_logger_advert_is_dropped_and_other_info_kept():
+    silence_library_noise()
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+
+    def passes(message: str) -> bool:
+        record = logging.LogRecord("x", logging.INFO, __file__, 1, message, None, None)
+        return bool(rank_zero_logger.filter(record))
+
+    assert not passes("💡 Tip: For seamless cloud logging and experiment tracking, try ...")
+    assert passes("GPU available: False, used: False")
