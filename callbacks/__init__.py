@@ -9,6 +9,7 @@ if __name__ != "rlvr_lightning.callbacks":
     )
 
 from rlvr_lightning.callbacks.adaptive_temperature import AdaptiveTemperature
+from rlvr_lightning.callbacks.annealed_temperature import AnnealedTemperature
 from rlvr_lightning.callbacks.completions_table import CompletionsTable
 from rlvr_lightning.callbacks.export_model import ExportModel
 from rlvr_lightning.callbacks.ground_truth_injection import GroundTruthInjection
@@ -19,6 +20,7 @@ from rlvr_lightning.callbacks.step_progress_bar import RichStepProgressBar, Step
 
 __all__ = [
     "AdaptiveTemperature",
+    "AnnealedTemperature",
     "CompletionsTable",
     "ExportModel",
     "GroundTruthInjection",

@@ -119,14 +119,16 @@ def needs_trainer_logprobs(
     choice: str, engine_shares_policy: bool, rollouts: Rollouts, base_temperature: float
 ) -> bool:
     """Whether ``π_old`` must come from the trainer: ``choice`` is ``trainer``, or ``auto``
-    and the sampler differs from the trainer (an engine with its own weights, or on-policy
-    rows sampled at a temperature other than ``base_temperature``)."""
+    and the sampler differs from the trainer (an engine with its own weights, or sampled
+    tokens of on-policy rows drawn at a temperature other than ``base_temperature``: a
+    per-row temperature, or a per-position schedule such as EAD's)."""
     if choice in ("trainer", "engine"):
         return choice == "trainer"
     if choice != "auto":
         raise ValueError(f"old_logprobs must be 'auto', 'engine' or 'trainer', got {choice!r}.")
     on = _on_policy(rollouts)  # [N]
-    retempered = bool((rollouts.temperature[on] != base_temperature).any())
+    sampled = rollouts.completion_mask.bool() & on[:, None]  # [N, T]
+    retempered = bool((rollouts.token_temperature[sampled] != base_temperature).any())
     return not engine_shares_policy or retempered
 
 
@@ -145,11 +147,16 @@ def with_trainer_logprobs(
 ) -> tuple[Rollouts, dict[str, float]]:
     """``rollouts`` with ``old_logp`` from the trainer and the on-policy rows' temperature set
     to ``base_temperature`` (the loss then sees the policy the trainer optimises, whatever
-    temperature each row was sampled at); injected rows keep their stored log-probs and
-    temperatures. Also returns the mismatch metrics over the sampled tokens."""
+    temperature each row or token was sampled at; the per-position temperatures are dropped);
+    injected rows keep their stored log-probs and temperatures. Also returns the mismatch
+    metrics over the sampled tokens."""
     on = _on_policy(rollouts)  # [N]
     base = torch.full_like(rollouts.temperature, base_temperature)
-    r = dataclasses.replace(rollouts, temperature=torch.where(on, base, rollouts.temperature))
+    r = dataclasses.replace(
+        rollouts,
+        temperature=torch.where(on, base, rollouts.temperature),
+        position_temperature=None,
+    )
     old = trainer_logprobs(model, r, micro_batch_size)  # [N, T]
     sampled = rollouts.completion_mask.float() * on[:, None]  # [N, T]
     if rollouts.offpolicy_mask is not None:

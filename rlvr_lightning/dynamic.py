@@ -49,11 +49,13 @@ def concat_prompt_batches(a: PromptBatch, b: PromptBatch) -> PromptBatch:
     temps = None
     if a.temperatures is not None or b.temperatures is not None:
         temps = [*(a.temperatures or [None] * len(a)), *(b.temperatures or [None] * len(b))]
+    schedule = a.position_temperatures
     return PromptBatch(
         [*a.prompt_ids, *b.prompt_ids],
         [*a.messages, *b.messages],
         columns=columns,
         temperatures=temps,
+        position_temperatures=b.position_temperatures if schedule is None else schedule,
     )
 
 
@@ -82,6 +84,10 @@ def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
             for r in (a, b)
         ]
         offpolicy = torch.cat(masks, dim=0)  # [Na + Nb, T]
+    position = None
+    if a.position_temperature is not None or b.position_temperature is not None:
+        temps = [_pad_to(r.token_temperature, t, 1.0, left=False) for r in (a, b)]
+        position = torch.cat(temps, dim=0)  # [Na + Nb, T]
     sources = (a.sources or ("policy",) * a.num_rows) + (b.sources or ("policy",) * b.num_rows)
     return Rollouts(
         prompt_ids=cat("prompt_ids", p, pad_id, left=True),  # [Na + Nb, P]
@@ -95,6 +101,7 @@ def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
         group_size=a.group_size,
         sources=sources if (a.sources or b.sources) else (),
         offpolicy_mask=offpolicy,
+        position_temperature=position,
     )
 
 

@@ -62,14 +62,17 @@ class GenerationStage(pl.LightningModule):
         temperatures: torch.Tensor | None = None,
     ) -> Rollouts:
         """Generate ``G`` completions per prompt (``temperatures``: optional ``[B * G]``;
-        by default the batch's per-prompt ``temperatures`` when sampling is not greedy)."""
+        by default the batch's per-prompt ``temperatures`` when sampling is not greedy; the
+        batch's ``position_temperatures`` go to the engine as they are)."""
         sampling = sampling or self.sampling
         if temperatures is None and batch.temperatures is not None and sampling.temperature > 0:
             per_prompt = [sampling.temperature if t is None else t for t in batch.temperatures]
             temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
         ids, mask = self.encode_prompts(batch)
         self.sync_engine()
-        return self.engine.generate(ids, mask, sampling, temperatures)
+        return self.engine.generate(
+            ids, mask, sampling, temperatures, position_temperatures=batch.position_temperatures
+        )
 
     def sync_engine(self) -> None:
         """Load the policy's weights into an engine that holds its own copy (vLLM), once per

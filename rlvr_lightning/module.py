@@ -112,9 +112,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             while sampling, no extra forward), ``trainer`` (a no-grad forward of the policy in
             the update's precision; the behaviour log-probs then only weight the loss) or
             ``auto`` (``trainer`` when the engine holds its own weights, i.e. vLLM, or when
-            rows were sampled at a temperature other than ``sampling.temperature``; else
-            ``engine``). With ``trainer`` the loss scores every sampled row at
-            ``sampling.temperature``. See ``correction.py``.
+            sampled tokens were drawn at a temperature other than ``sampling.temperature``:
+            per-row, or per-position as EAD's; else ``engine``). With ``trainer`` the loss
+            scores every sampled row at ``sampling.temperature``. See ``correction.py``.
         rollout_correction: with ``π_old`` from the trainer, how tokens sampled by a
             different distribution are weighted: ``tis`` (``min(π_old/π_behaviour, cap)``),
             ``mask`` (drop tokens whose ratio leaves ``[1/cap, cap]``) or ``none``.

@@ -142,6 +142,8 @@ def replace_rows(
         else _pad_right(rollouts.offpolicy_mask, width, 0).clone()
     )  # [N, T']
     temperature, truncated = rollouts.temperature.clone(), rollouts.truncated.clone()  # [N]
+    position = rollouts.position_temperature
+    position = None if position is None else _pad_right(position, width, 1.0).clone()  # [N, T']
     tags, completions = list(sources_of(rollouts)), list(rollouts.completions)
     for row, tok, lp, src, temp, text in zip(
         rows, token_ids, behaviour_logp, sources, temperatures, texts, strict=True
@@ -153,6 +155,8 @@ def replace_rows(
         if lp is not None:
             logp[row, :n] = torch.as_tensor(list(lp), dtype=logp.dtype)
         temperature[row], truncated[row] = temp, False
+        if position is not None:
+            position[row] = temp
         tags[row], completions[row] = src, text
     return dataclasses.replace(
         rollouts,
@@ -164,6 +168,7 @@ def replace_rows(
         completions=completions,
         sources=tuple(tags),
         offpolicy_mask=off,
+        position_temperature=position,
     )
 
 
@@ -184,6 +189,9 @@ def select_rows(rollouts: Rollouts, rows: Sequence[int], group_size: int = 1) ->
         group_size=group_size,
         sources=tuple(tags[i] for i in rows),
         offpolicy_mask=None if rollouts.offpolicy_mask is None else rollouts.offpolicy_mask[idx],
+        position_temperature=None
+        if rollouts.position_temperature is None
+        else rollouts.position_temperature[idx],
     )
 
 
@@ -196,6 +204,7 @@ def prompt_rows(batch: PromptBatch, groups: Sequence[int]) -> PromptBatch:
         temperatures=None
         if batch.temperatures is None
         else [batch.temperatures[g] for g in groups],
+        position_temperatures=batch.position_temperatures,
     )
 
 

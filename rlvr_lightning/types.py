@@ -37,6 +37,9 @@ class PromptBatch:
         temperatures: ``[B]`` sampling temperature per prompt (``None`` entries, or no list:
             the module's ``sampling.temperature``); set by callbacks such as
             ``AdaptiveTemperature`` in ``on_before_generate``.
+        position_temperatures: ``[T_max]`` factor on every row's temperature at completion
+            position ``t`` (counted from 0), one per position up to ``max_new_tokens``; None =
+            constant along the completion. Set by ``AnnealedTemperature`` (EAD).
 
     Not frozen only because Lightning's precision plugins rebuild dataclass batches field by
     field; treat it as immutable and make a new one to change it.
@@ -46,6 +49,7 @@ class PromptBatch:
     messages: list[list[dict[str, str]]]
     columns: dict[str, list[Any]] = field(default_factory=dict)
     temperatures: list[float | None] | None = None
+    position_temperatures: torch.Tensor | None = None  # [T_max]
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -127,6 +131,9 @@ class Rollouts:
     # trainer's (``correction.py``); ``behaviour_logp`` then only weights the loss (TIS). None
     # means ``behaviour_logp`` is ``π_old``.
     old_logp: torch.Tensor | None = None
+    # [N, T] temperature each token was drawn at, where it varies along the row (a position
+    # schedule, EAD); None means every token of a row was drawn at its ``temperature``.
+    position_temperature: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -135,6 +142,13 @@ class Rollouts:
     @property
     def lengths(self) -> torch.Tensor:  # [N]
         return self.completion_mask.sum(-1)
+
+    @property
+    def token_temperature(self) -> torch.Tensor:  # [N, T]
+        """The temperature each token was drawn at (padding included)."""
+        if self.position_temperature is not None:
+            return self.position_temperature
+        return self.temperature[:, None].expand(self.completion_ids.shape).to(torch.float32)
 
 
 @dataclass(frozen=True)

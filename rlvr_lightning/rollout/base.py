@@ -18,8 +18,10 @@ class RolloutEngine(Protocol):
 
     ``generate`` receives left-padded prompt tokens ``[B, P]`` and returns ``B * G`` rows, the
     ``G`` completions of each prompt consecutive. ``temperatures`` (``[B * G]``) overrides the
-    sampling temperature per row. Engines that hold their own copy of the weights (vLLM) reload
-    them in ``load_weights``; engines that share the policy (HF) do nothing there.
+    sampling temperature per row; ``position_temperatures`` (``[T_max]``) multiplies it at
+    each completion position, for engines that can sample that way (HF; vLLM refuses it).
+    Engines that hold their own copy of the weights (vLLM) reload them in ``load_weights``;
+    engines that share the policy (HF) do nothing there.
     """
 
     def generate(
@@ -28,6 +30,7 @@ class RolloutEngine(Protocol):
         prompt_mask: torch.Tensor,
         sampling: Sampling,
         temperatures: torch.Tensor | None = None,
+        position_temperatures: torch.Tensor | None = None,
     ) -> Rollouts: ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...

@@ -36,6 +36,20 @@ def resolve_engine(engine: EngineName, policy: str) -> Literal["hf", "vllm"]:
     return engine
 
 
+POSITION_TEMPERATURE_REFUSAL = (
+    "A temperature that changes along the completion (AnnealedTemperature, EAD) is applied by "
+    "the HF engine's own sampler; the vLLM engine applies one temperature per request and "
+    "records its log-probs after its own sampler, so it cannot. Set `model.engine: hf`."
+)
+
+
+def require_position_temperatures(engine: EngineName, policy: str) -> None:
+    """Refuse an engine that cannot sample with a per-position temperature: every one but
+    ``hf`` (``auto`` included when it resolves to vLLM)."""
+    if engine == "vllm" or resolve_engine(engine, policy) != "hf":
+        raise ValueError(POSITION_TEMPERATURE_REFUSAL)
+
+
 def engine_dtype(policy_dtype: str, precision: str | None) -> str:
     """The dtype an engine holding its own weights runs in: the trainer's compute precision
     (``bf16-mixed`` / ``bf16-true`` -> ``bfloat16``, ``16-mixed`` / ``16-true`` -> ``float16``),

@@ -59,12 +59,15 @@ class _SampleAndRecord(LogitsProcessor):
     """
 
     def __init__(self, temperature: torch.Tensor, top_k: int, top_p: float, greedy: bool) -> None:
-        self.temperature = temperature  # [N]
+        self.temperature = temperature  # [N], or [N, T_max]: column t for completion token t
         self.top_k, self.top_p, self.greedy = top_k, top_p, greedy
         self.recorded: list[torch.Tensor] = []  # T x [N]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        logp = sampling_logprobs(scores, self.temperature, self.top_k, self.top_p)  # [N, V]
+        # Called once per generated token, so the tokens recorded so far give the position.
+        temp = self.temperature
+        temp = temp if temp.dim() == 1 else temp[:, len(self.recorded)]  # [N]
+        logp = sampling_logprobs(scores, temp, self.top_k, self.top_p)  # [N, V]
         token = logp.argmax(-1) if self.greedy else sample_from_logprobs(logp)  # [N]
         self.recorded.append(logp.gather(1, token[:, None]).squeeze(1))
         forced = torch.full_like(logp, float("-inf"))
@@ -97,6 +100,26 @@ def shared_prompt_cache(model: PreTrainedModel, ids: torch.Tensor, mask: torch.T
     return cache
 
 
+def row_position_temperatures(
+    temperatures: torch.Tensor, factors: torch.Tensor, max_new_tokens: int
+) -> torch.Tensor:
+    """``[N, T_max]`` temperature of row ``n`` at completion position ``t``: ``T_n * f_t``.
+
+    Args:
+        temperatures: ``[N]`` per-row temperature (> 0).
+        factors: ``[>= T_max]`` per-position factor (> 0), e.g. EAD's schedule.
+    """
+    if factors.dim() != 1 or factors.shape[0] < max_new_tokens:
+        raise ValueError(
+            f"position_temperatures must be 1-D with at least max_new_tokens={max_new_tokens} "
+            f"entries, got shape {tuple(factors.shape)}."
+        )
+    f = factors[:max_new_tokens].to(temperatures.device, torch.float32)  # [T_max]
+    if bool((f <= 0).any()):
+        raise ValueError("position_temperatures must all be > 0.")
+    return temperatures[:, None] * f[None, :]
+
+
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """``[N, T]`` mask that is 1 up to and including the first EOS token of each row."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
@@ -105,7 +128,8 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
 
 
 class HFEngine:
-    """Batched ``model.generate`` with KV cache, left padding and per-row temperature.
+    """Batched ``model.generate`` with KV cache, left padding, per-row temperature and an
+    optional per-position temperature factor (EAD).
 
     Args:
         model: the policy (shared; weights are always current, so ``load_weights`` is a no-op).
@@ -141,7 +165,11 @@ class HFEngine:
         prompt_mask: torch.Tensor,
         sampling: Sampling,
         temperatures: torch.Tensor | None = None,
+        position_temperatures: torch.Tensor | None = None,
     ) -> Rollouts:
+        """``position_temperatures`` (``[T_max]``, ``T_max >= max_new_tokens``) multiplies each
+        row's temperature at completion position ``t``; ignored when sampling is greedy (a
+        positive factor does not move the argmax)."""
         g = sampling.group_size
         ids = prompt_ids.repeat_interleave(g, dim=0)  # [N, P]
         mask = prompt_mask.repeat_interleave(g, dim=0)  # [N, P]
@@ -151,8 +179,13 @@ class HFEngine:
         temperatures = temperatures.to(ids.device, torch.float32)  # [N]
         if not greedy and bool((temperatures <= 0).any()):
             raise ValueError("Per-row temperatures must be > 0; use temperature=0 for greedy.")
+        per_token = None
+        if position_temperatures is not None and not greedy:
+            per_token = row_position_temperatures(
+                temperatures, position_temperatures, sampling.max_new_tokens
+            )  # [N, T_max]
         recorder = _SampleAndRecord(
-            temperatures,
+            temperatures if per_token is None else per_token,
             0 if greedy else sampling.top_k,
             1.0 if greedy else sampling.top_p,
             greedy,
@@ -201,4 +234,7 @@ class HFEngine:
             truncated=~ends_with_eos.any(-1),
             completions=texts,
             group_size=g,
+            position_temperature=None
+            if per_token is None
+            else per_token[:, : completion_ids.shape[1]],
         )

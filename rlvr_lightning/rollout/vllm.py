@@ -25,6 +25,7 @@ import vllm
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from vllm.platforms import current_platform
 
+from rlvr_lightning.rollout.factory import POSITION_TEMPERATURE_REFUSAL
 from rlvr_lightning.rollout.hf import completion_mask
 from rlvr_lightning.types import Rollouts, Sampling
 
@@ -156,7 +157,10 @@ class VLLMEngine:
         prompt_mask: torch.Tensor,
         sampling: Sampling,
         temperatures: torch.Tensor | None = None,
+        position_temperatures: torch.Tensor | None = None,
     ) -> Rollouts:
+        if position_temperatures is not None:
+            raise ValueError(POSITION_TEMPERATURE_REFUSAL)
         g = sampling.group_size
         ids = prompt_ids.repeat_interleave(g, dim=0)  # [N, P]
         mask = prompt_mask.repeat_interleave(g, dim=0)  # [N, P]

@@ -37,9 +37,9 @@ def _fit(rewards, steps=3, callback=None):
     seen = []
     generate = module.engine.generate
 
-    def spy(ids, mask, sampling, temperatures=None):
+    def spy(ids, mask, sampling, temperatures=None, **kwargs):
         seen.append(None if temperatures is None else [round(t, 4) for t in temperatures.tolist()])
-        return generate(ids, mask, sampling, temperatures)
+        return generate(ids, mask, sampling, temperatures, **kwargs)
 
     module.engine.generate = spy
     callback = callback or AdaptiveTemperature()

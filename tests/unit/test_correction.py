@@ -7,8 +7,16 @@ import math
 import pytest
 import torch
 
-from rlvr_lightning.correction import correction_weights, log_ratio, mismatch_metrics
+from rlvr_lightning.correction import (
+    correction_weights,
+    log_ratio,
+    mismatch_metrics,
+    needs_trainer_logprobs,
+    with_trainer_logprobs,
+)
 from rlvr_lightning.rollout.factory import engine_dtype
+from rlvr_lightning.testing import tiny_policy
+from rlvr_lightning.types import Rollouts
 
 LN2 = math.log(2.0)
 # Two rows of three tokens; row 1's last token is padding.
@@ -63,3 +71,35 @@ def test_engine_dtype_follows_precision():
     assert engine_dtype("float32", "16-mixed") == "float16"
     assert engine_dtype("float32", "32-true") == "float32"
     assert engine_dtype("bfloat16", None) == "bfloat16"
+
+
+def _rollouts(position_temperature=None, offpolicy_mask=None) -> Rollouts:
+    # Two rows of three tokens at base temperature 1.0; row 1's last token is padding.
+    return Rollouts(
+        prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
+        completion_ids=torch.ones(2, 3, dtype=torch.long), completion_mask=MASK.long(),
+        behaviour_logp=BEH, temperature=torch.ones(2), truncated=torch.zeros(2, dtype=torch.bool),
+        completions=["a", "b"], group_size=1, offpolicy_mask=offpolicy_mask,
+        position_temperature=position_temperature,
+    )  # fmt: skip
+
+
+def test_a_position_schedule_counts_as_a_sampler_that_differs():
+    assert not needs_trainer_logprobs("auto", True, _rollouts(), 1.0)
+    assert needs_trainer_logprobs("auto", True, _rollouts(torch.tensor([[1, 0.9, 0.8]] * 2)), 1.0)
+    # Only sampled tokens count: a schedule that differs on padding only changes nothing...
+    pad_only = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.5]])
+    assert not needs_trainer_logprobs("auto", True, _rollouts(pad_only), 1.0)
+    # ... nor on an injected row's tokens.
+    off = torch.tensor([[0, 0, 0], [1, 1, 1]])
+    injected = torch.tensor([[1.0, 1.0, 1.0], [0.6, 0.6, 0.6]])
+    assert not needs_trainer_logprobs("auto", True, _rollouts(injected, off), 1.0)
+    assert not needs_trainer_logprobs("engine", True, _rollouts(pad_only * 0.5), 1.0)
+
+
+def test_trainer_logprobs_drop_the_schedule():
+    model, _ = tiny_policy(seed=0)
+    r = _rollouts(torch.tensor([[1, 0.9, 0.8]] * 2))
+    out, _ = with_trainer_logprobs(model, r, micro_batch_size=2, base_temperature=1.0, cap=2.0)
+    assert out.position_temperature is None and out.temperature.tolist() == [1.0, 1.0]
+    assert out.old_logp is not None and torch.equal(out.behaviour_logp, BEH)

@@ -137,3 +137,17 @@ def test_refill_stops_at_the_round_cap_and_reports_the_shortfall():
     assert result.metrics["dynamic/rounds"] == 2.0
     assert result.metrics["dynamic/shortfall"] == 2.0
     assert len(result.batch) == 2 + 2 + 2  # each round draws the cap (2)
+
+
+def test_concat_keeps_position_temperatures():
+    a, b = rollouts(1, p=2, t=3), rollouts(1, p=2, t=2, start=100)
+    a = dataclasses.replace(a, position_temperature=torch.tensor([[1.0, 0.5, 0.25]] * G))
+    c = concat_rollouts(a, b, PAD)
+    # b had none: its rows' own temperature (1.0) at every position, padding 1.0.
+    assert c.position_temperature.tolist() == [[1.0, 0.5, 0.25]] * G + [[1.0, 1.0, 1.0]] * G
+    assert concat_rollouts(b, b, PAD).position_temperature is None
+    f = torch.tensor([1.0, 0.5])
+    batch = concat_prompt_batches(
+        prompts(["a"]), dataclasses.replace(prompts(["b"]), position_temperatures=f)
+    )
+    assert batch.position_temperatures is f

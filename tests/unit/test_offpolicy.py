@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from rlvr_lightning.offpolicy import (
     guidance_slots,
     mixed_advantages,
     replace_rows,
+    select_rows,
     source_loss_terms,
 )
 from rlvr_lightning.types import Rollouts, Scored
@@ -251,3 +253,17 @@ def test_module_rejects_an_on_policy_baseline_with_rloo():
 
     with pytest.raises(ValueError, match="estimator grpo or dr_grpo"):
         RLVRModule("tiny:0", estimator="rloo", offpolicy_baseline="on_policy")
+
+
+def test_row_helpers_keep_position_temperatures():
+    ro = dataclasses.replace(
+        _rollouts(), position_temperature=torch.tensor([[0.7, 0.35, 0.07]] * 4)
+    )
+    out = replace_rows(ro, [2], [[4, 5, 6, 2]], [None], ["reference"], [1.0], ["ref"], pad_id=0)
+    # The injected row is at its own temperature throughout; others keep theirs, padded 1.0.
+    assert out.position_temperature.tolist()[1:3] == [
+        pytest.approx([0.7, 0.35, 0.07, 1.0]),
+        [1.0] * 4,
+    ]
+    picked = select_rows(out, [2, 0])
+    assert picked.position_temperature.tolist()[0] == [1.0] * 4

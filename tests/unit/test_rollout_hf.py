@@ -7,6 +7,7 @@ from rlvr_lightning.forward import completion_logprobs
 from rlvr_lightning.rollout.hf import (
     HFEngine,
     completion_mask,
+    row_position_temperatures,
     sample_from_logprobs,
     sampling_logprobs,
 )
@@ -101,3 +102,69 @@ def test_shared_prompt_cache_gives_the_same_greedy_rollouts(engine):
     shared = engine.generate(ids, mask, greedy)
     assert torch.equal(plain.completion_ids, shared.completion_ids)
     assert torch.allclose(plain.behaviour_logp, shared.behaviour_logp, atol=1e-5)
+
+
+def _manual_logprobs(model, r, temps):
+    """``[N, T]`` log-probs of the completion tokens under ``log_softmax(logits / temps)``."""
+    ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)  # [N, P + T]
+    mask = torch.cat([r.prompt_mask, r.completion_mask], dim=1)  # [N, P + T]
+    p, t = r.prompt_ids.shape[1], r.completion_ids.shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ).logits[:, p - 1 : p + t - 1]  # [N, T, V]
+    logp = torch.log_softmax(logits.float() / temps[:, :, None], dim=-1)  # [N, T, V]
+    return logp.gather(-1, r.completion_ids[:, :, None]).squeeze(-1)
+
+
+def test_row_position_temperatures_multiply_and_validate():
+    # Rows 0.5 and 2.0 times factors [1, 0.5, 0.25] (the 4th factor is beyond T_max = 3).
+    got = row_position_temperatures(torch.tensor([0.5, 2.0]), torch.tensor([1, 0.5, 0.25, 9]), 3)
+    assert got.tolist() == [[0.5, 0.25, 0.125], [2.0, 1.0, 0.5]]
+    with pytest.raises(ValueError, match="at least max_new_tokens=3"):
+        row_position_temperatures(torch.ones(2), torch.ones(2), 3)
+    with pytest.raises(ValueError, match="> 0"):
+        row_position_temperatures(torch.ones(2), torch.tensor([1.0, 0.0, 1.0]), 3)
+
+
+def test_position_temperatures_reach_the_sampler_and_its_logprobs(engine):
+    # Factors 1, 1, 3, 0.2, 0.05, ... on rows at 0.7 and 1.5: each recorded log-prob is that of
+    # log_softmax(logits / (T_row * f_t)) at its own position t.
+    torch.manual_seed(0)
+    ids, mask = _prompts(engine, ["hi", "a longer prompt"])
+    factors = torch.tensor([1.0, 1.0, 3.0, 0.2, 0.05, 0.5, 2.0, 1.0])
+    temps = torch.tensor([0.7, 0.7, 1.5, 1.5])
+    r = engine.generate(
+        ids, mask, Sampling(max_new_tokens=8, group_size=2), temps, position_temperatures=factors
+    )
+    t = r.completion_ids.shape[1]
+    assert torch.allclose(r.position_temperature, temps[:, None] * factors[None, :t])
+    assert torch.equal(r.temperature, temps)  # the rows' base temperature is kept
+    manual = _manual_logprobs(engine.model, r, r.position_temperature)
+    assert ((manual - r.behaviour_logp) * r.completion_mask).abs().max() < 1e-4
+    # The per-row forward of the update (no schedule) does not reproduce them.
+    per_row = _manual_logprobs(engine.model, r, temps[:, None].expand(-1, t))
+    assert ((per_row - r.behaviour_logp) * r.completion_mask).abs().max() > 1e-2
+
+
+def test_a_tiny_position_temperature_samples_the_argmax(engine):
+    ids, mask = _prompts(engine, ["x", "yy"])
+    greedy = engine.generate(ids, mask, Sampling(max_new_tokens=6, temperature=0.0, group_size=2))
+    torch.manual_seed(0)
+    cold = engine.generate(
+        ids,
+        mask,
+        Sampling(max_new_tokens=6, temperature=1.0, group_size=2),
+        position_temperatures=torch.full((6,), 1e-5),
+    )
+    assert torch.equal(cold.completion_ids, greedy.completion_ids)
+    assert float(cold.behaviour_logp.min()) > -1e-3  # each drawn token had probability ~1
+    # Greedy sampling ignores the factors: same tokens and log-probs as without them.
+    again = engine.generate(
+        ids,
+        mask,
+        Sampling(max_new_tokens=6, temperature=0.0, group_size=2),
+        position_temperatures=torch.full((6,), 3.0),
+    )
+    assert torch.equal(again.completion_ids, greedy.completion_ids)
+    assert again.position_temperature is None
