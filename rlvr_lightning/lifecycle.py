@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,8 +48,10 @@ class StepLifecycle(pl.LightningModule):
     _weights_touched = False  # an optimiser step ran since `_boundary` was taken
     _snapshotting = False
 
-    def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+    def _grad_norm(self, params: Iterable[torch.nn.Parameter] | None = None) -> float:
+        """Gradient norm over ``params`` (default: the policy's)."""
+        params = self.policy.parameters() if params is None else params
+        grads = [p.grad for p in params if p.grad is not None]
         return (
             float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
             if grads
@@ -123,8 +126,10 @@ class StepLifecycle(pl.LightningModule):
     # ---- optimisation ----------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
+        if self.value_head is not None:
+            groups.append(self.value_head.param_group())  # its own lr and weight decay
+        opt = torch.optim.AdamW(groups, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         warmup = self.hparams.warmup_steps
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0

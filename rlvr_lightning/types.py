@@ -111,6 +111,9 @@ class Rollouts:
     # trainer's (``correction.py``); ``behaviour_logp`` then only weights the loss (TIS). None
     # means ``behaviour_logp`` is ``π_old``.
     old_logp: torch.Tensor | None = None
+    # [N, T] values ``V_old`` of a value head at rollout time (the no-grad forward before the
+    # update, ``heads/value.py``); None without a value head.
+    old_values: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
