@@ -7,6 +7,7 @@ module's attributes (``policy``, ``score``, ...).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -25,8 +26,15 @@ log = logging.getLogger("rlvr_lightning.module")
 def plain_hparam(value: Any) -> Any:
     """Hyperparameters as plain data, so checkpoints load with ``weights_only=True`` and
     LightningCLI can re-read them: dataclasses become dicts, importable functions and classes
-    their import path; other callables (instances) their ``repr``, which is informative only.
+    their import path, a ``functools.partial`` of a class (what LightningCLI makes of a
+    ``Callable[[int], ValueHead]`` argument) ``{class_path, init_args}``; other callables
+    (instances) their ``repr``, which is informative only.
     """
+    if isinstance(value, functools.partial):
+        classes = [a for a in (value.func, *value.args) if isinstance(a, type)]
+        if classes:
+            kwargs = {k: plain_hparam(v) for k, v in value.keywords.items()}
+            return {"class_path": plain_hparam(classes[-1]), "init_args": kwargs}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, list | tuple):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlvr_lightning.cli import build_cli
+from rlvr_lightning.hub import module_heads
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 HEAD = (
@@ -42,6 +43,8 @@ def test_gae_fit_logs_a_finite_value_loss_and_the_checkpoint_restores_the_head(t
     assert any(not torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))
     opt = cli.model.optimizers()
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.01]  # policy, head
+    assert cli.model.hparams["value_head"]["init_args"]["mlp_hidden"] == 8
+    assert module_heads(cli.model) == {"value_head": head}  # ExportModel writes it
 
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     trained = {k: v for k, v in cli.model.state_dict().items() if k.startswith("value_head.")}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from rlvr_lightning.build import check_value_head
 from rlvr_lightning.correction import trainer_forward
 from rlvr_lightning.forward import completion_forward
 from rlvr_lightning.heads import ValueBatch, ValueHead
+from rlvr_lightning.lifecycle import plain_hparam
 from rlvr_lightning.losses import ppo_clip_loss
 from rlvr_lightning.rollout.hf import HFEngine
 from rlvr_lightning.testing import tiny_policy
@@ -159,3 +162,13 @@ def test_value_head_rejects_bad_settings() -> None:
         ValueHead(8, gamma=1.5)
     with pytest.raises(ValueError, match="clip_range"):
         ValueHead(8, clip_range=0.0)
+
+
+def test_a_value_head_factory_is_a_plain_hyperparameter() -> None:
+    # What LightningCLI passes for value_head: a partial of the class with its init args.
+    factory = functools.partial(ValueHead, lr=0.01, clip_range=None)
+    assert plain_hparam(factory) == {
+        "class_path": "rlvr_lightning.heads.value.ValueHead",
+        "init_args": {"lr": 0.01, "clip_range": None},
+    }
+    assert plain_hparam(ValueHead) == "rlvr_lightning.heads.value.ValueHead"
