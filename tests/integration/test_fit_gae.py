@@ -69,3 +69,11 @@ def test_gae_without_a_value_head_and_a_head_without_gae_are_setup_errors():
         build_cli(["--config", CONFIG, "--model.init_args.estimator=gae"], run=False)
     with pytest.raises(ValueError, match="estimator: gae"):
         build_cli(["--config", CONFIG, HEAD], run=False)
+
+
+def test_gae_with_trainer_old_logprobs_takes_values_from_the_same_pass(tmp_path):
+    cli = _cli(tmp_path, "--model.init_args.old_logprobs=trainer")
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    logged = cli.trainer.logged_metrics
+    assert torch.isfinite(logged["train/value_loss"])
+    assert "train/mismatch/kl" in logged  # the π_old pass ran, and gave V_old too
