@@ -16,7 +16,7 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
-from rlvr_lightning.ops import masked_mean, masked_sum, masked_var
+from rlvr_lightning.ops import masked_mean, masked_sum
 
 AggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -302,8 +302,7 @@ def value_loss(
 
     Returns:
         (scalar loss; detached metrics ``value_clip_frac`` (share of tokens where the clipped
-        term is the larger), ``value_mean``, ``value_explained_var`` (``1 - Var(R - V) /
-        Var(R)`` over the valid tokens)).
+        term is the larger) and ``value_mean``).
     """
     valid = mask.bool()  # [N, T]
     v = torch.where(valid, values, 0.0)  # [N, T]
@@ -315,11 +314,9 @@ def value_loss(
         clipped = (old + (v - old).clamp(-clip_range, clip_range) - ret) ** 2  # [N, T]
         loss_mat = torch.maximum(unclipped, clipped)
         clipped_wins = clipped > unclipped
-    residual_var = masked_var((ret - v).detach(), valid)
     metrics = {
         "value_clip_frac": _frac(clipped_wins, valid),
         "value_mean": masked_mean(v.detach(), valid),
-        "value_explained_var": 1.0 - residual_var / masked_var(ret, valid).clamp_min(1e-8),
     }
     return 0.5 * masked_mean(loss_mat, valid), metrics
 
