@@ -1,4 +1,5 @@
-"""Heads on the policy's hidden states: the critic of the ``gae`` estimator (``ValueHead``)."""
+"""Heads on the policy's hidden states: the critic of the ``gae`` estimator (``ValueHead``)
+and the maths of POISE's probe (``probe.py``)."""
 
 from rlvr_lightning.heads.value import ValueBatch, ValueHead
 
