@@ -1,9 +1,10 @@
-"""Outcome advantage estimators over groups of completions of the same prompt.
+"""Advantage estimators: outcome estimators over groups, and per-token GAE with a critic.
 
 Rewards arrive as ``[N]`` with ``N = B * G`` and each group's ``G`` rows consecutive (see
-:mod:`rlvr_lightning.types`). Every estimator returns ``[N]``, one advantage per completion,
-which the losses broadcast over its tokens. A group of one completion has no baseline to compare
-against, so every estimator gives it advantage 0.
+:mod:`rlvr_lightning.types`). The group estimators return ``[N]``, one advantage per
+completion, which the losses broadcast over its tokens; a group of one completion has no
+baseline to compare against, so they give it advantage 0. :func:`gae` uses per-token values
+of a critic instead and returns ``[N, T]``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Literal
 
 import torch
 
-Estimator = Literal["grpo", "dr_grpo", "rloo"]
+from rlvr_lightning.ops import masked_whiten
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "gae"]
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -78,13 +81,77 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (grouped - others_mean).view(-1)
 
 
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[N, T]`` token rewards: each row's scalar reward at its last valid token, 0 elsewhere.
+
+    The reward of an outcome-verified completion arrives when it ends (spec §8.7); a row
+    without valid tokens gets no reward. A row that hit ``max_new_tokens`` is treated the same
+    way (its reward was scored on the truncated text).
+    """
+    valid = mask.bool()  # [N, T]
+    last = valid.cumsum(-1).eq(valid.sum(-1, keepdim=True)) & valid  # [N, T], one per row
+    return torch.where(last, rewards.to(torch.float32)[:, None], 0.0)
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the valid tokens of each row (spec §8.7).
+
+    ``δ_t = r_t + γ V_{t+1} - V_t`` and ``Â_t = δ_t + γλ Â_{t+1}``, computed backwards; ``t + 1``
+    is the row's next *valid* token (padding in between is skipped, as verl does) and after the
+    last valid token the episode ends (``V = 0``). Returns are ``R_t = Â_t + V_t``, the critic's
+    TD(λ) target. Padding positions contribute nothing, whatever they hold, and get 0.
+
+    Args:
+        rewards: ``[N]`` scalar sequence rewards, placed at each row's last valid token
+            (:func:`outcome_token_rewards`), or ``[N, T]`` per-token rewards.
+        values: ``[N, T]`` values ``V(s_t)`` of the state before token ``t`` (treated as
+            constants).
+        mask: ``[N, T]`` nonzero on completion tokens.
+        gamma: discount ``γ`` (verl: 1.0).
+        lam: GAE ``λ`` (verl: 1.0).
+
+    Returns:
+        ``(advantages [N, T], returns [N, T])``, fp32, 0 on padding.
+    """
+    valid = mask.bool()  # [N, T]
+    if rewards.dim() == 1:
+        rewards = outcome_token_rewards(rewards, valid)  # [N, T]
+    r = torch.where(valid, rewards.float(), 0.0)  # [N, T]
+    v = torch.where(valid, values.detach().float(), 0.0)  # [N, T]
+    advantages = torch.zeros_like(v)  # [N, T]
+    next_value = torch.zeros_like(v[:, 0])  # [N]
+    next_adv = torch.zeros_like(v[:, 0])  # [N]
+    for t in reversed(range(v.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]  # [N]
+        adv_t = delta + gamma * lam * next_adv  # [N]
+        advantages[:, t] = torch.where(valid[:, t], adv_t, 0.0)
+        next_value = torch.where(valid[:, t], v[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv_t, next_adv)
+    returns = torch.where(valid, advantages + v, 0.0)  # [N, T]
+    return advantages, returns
+
+
 def compute_advantages(
-    rewards: torch.Tensor, group_size: int, estimator: Estimator, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    estimator: Estimator,
+    eps: float = 1e-6,
+    *,
+    values: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
 ) -> torch.Tensor:
-    """The advantage estimator named ``estimator``, applied to ``[N]`` rewards; returns ``[N]``.
+    """The advantage estimator named ``estimator``, applied to ``[N]`` rewards.
 
     This is the only place that maps an estimator name to a function: ``"grpo"`` (std-normalised
-    group advantage), ``"dr_grpo"`` (group advantage without std) and ``"rloo"``.
+    group advantage), ``"dr_grpo"`` (group advantage without std) and ``"rloo"`` return ``[N]``;
+    ``"gae"`` (:func:`gae` with ``values``, ``mask``, ``gamma``, ``lam``) returns ``[N, T]``,
+    whitened over the batch's valid tokens (``ops.masked_whiten``, as verl) unless ``whiten``
+    is False.
     """
     match estimator:
         case "grpo":
@@ -93,7 +160,17 @@ def compute_advantages(
             return group_advantages(rewards, group_size, normalize_std=False)
         case "rloo":
             return rloo_advantages(rewards, group_size)
-    raise ValueError(f"Unknown advantage estimator {estimator!r}; use 'grpo', 'dr_grpo' or 'rloo'.")
+        case "gae":
+            if values is None or mask is None:
+                raise ValueError(
+                    "estimator 'gae' needs per-token values and the completion mask; the module "
+                    "computes them with a value head (model.init_args.value_head)."
+                )
+            advantages, _ = gae(rewards, values, mask, gamma, lam)  # [N, T]
+            return masked_whiten(advantages, mask) if whiten else advantages
+    raise ValueError(
+        f"Unknown advantage estimator {estimator!r}; use 'grpo', 'dr_grpo', 'rloo' or 'gae'."
+    )
 
 
 def masked_group_advantages(

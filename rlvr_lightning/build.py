@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlvr_lightning import models
+from rlvr_lightning.heads import ValueHead
 from rlvr_lightning.presets import Preset
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
 from rlvr_lightning.rewards.combine import NanPolicy
@@ -30,6 +31,36 @@ def validate_options(h: Mapping[str, Any], estimator: str) -> None:
         raise ValueError("max_steps_without_update must be >= 1, or null to never stop.")
     if h["offpolicy_baseline"] == "on_policy" and estimator not in ("grpo", "dr_grpo"):
         raise ValueError("offpolicy_baseline: on_policy needs estimator grpo or dr_grpo.")
+    check_value_head(estimator, h["value_head"] is not None)
+
+
+def check_value_head(estimator: str, has_value_head: bool) -> None:
+    """A value head exactly when the estimator uses one (``gae``); else say which to change."""
+    if estimator == "gae" and not has_value_head:
+        raise ValueError(
+            "estimator: gae needs a critic: set model.init_args.value_head "
+            "(class_path: rlvr_lightning.heads.ValueHead), or choose another estimator "
+            "(grpo, dr_grpo, rloo)."
+        )
+    if estimator != "gae" and has_value_head:
+        raise ValueError(
+            f"model.init_args.value_head is set but estimator {estimator!r} never reads values "
+            "(the head would train for nothing): set model.init_args.estimator: gae, or remove "
+            "value_head."
+        )
+
+
+def value_head(factory: Callable[[int], ValueHead] | None, policy: Any) -> ValueHead | None:
+    """The value head for ``policy``'s hidden size (the input width of its LM head), or None."""
+    if factory is None:
+        return None
+    head = factory(policy.get_output_embeddings().weight.shape[1])
+    if not isinstance(head, ValueHead):
+        raise TypeError(
+            f"model.init_args.value_head must build a rlvr_lightning.heads.ValueHead, got "
+            f"{type(head).__name__}."
+        )
+    return head
 
 
 def policy_and_tokenizer(

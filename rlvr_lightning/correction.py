@@ -4,7 +4,7 @@ An engine that holds its own weights (vLLM) computes the behaviour log-probs wit
 often in another dtype; a temperature schedule samples from a distribution the trainer does not
 score. Using those log-probs as ``π_old`` makes the importance ratio start away from 1 and the
 clipping act on numerical noise (the vLLM quickstart in bf16 went 0.06 -> 0.02 that way). So,
-where they may differ, ``π_old`` is recomputed by the trainer (:func:`trainer_logprobs`, one
+where they may differ, ``π_old`` is recomputed by the trainer (:func:`trainer_forward`, one
 no-grad forward in the update's precision) and the behaviour log-probs serve only to weight
 each token by truncated importance sampling, ``ρ = min(π_old / π_behaviour, C)`` (spec §5.2,
 verl's TIS), or to mask tokens whose ratio leaves ``[1/C, C]``.
@@ -15,12 +15,13 @@ Pure maths on ``[N, T]`` tensors plus one stage helper that takes the model and 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from torch import nn
 
-from rlvr_lightning.forward import completion_logprobs, group_microbatches
+from rlvr_lightning.forward import completion_forward, group_microbatches
 from rlvr_lightning.types import Rollouts
 
 CorrectionMode = Literal["tis", "mask", "none"]
@@ -91,28 +92,39 @@ def mismatch_metrics(
 
 
 @torch.no_grad()
-def trainer_logprobs(model: nn.Module, rollouts: Rollouts, micro_batch_size: int) -> torch.Tensor:
+def trainer_forward(
+    model: nn.Module,
+    rollouts: Rollouts,
+    micro_batch_size: int,
+    value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[N, T]`` log-probs of the sampled tokens under ``model`` as the update computes them
     (same forward, same temperatures, whatever autocast is active), in micro-batches of whole
-    groups; 0 on padding."""
+    groups, and the ``[N, T]`` values of ``value_head`` from the same forward (None without
+    one); 0 on padding."""
     out = torch.zeros_like(rollouts.behaviour_logp, dtype=torch.float32)  # [N, T]
+    values = None if value_head is None else torch.zeros_like(out)  # [N, T]
     groups = torch.arange(rollouts.num_rows, device=out.device) // rollouts.group_size  # [N]
     was_training = model.training
     model.eval()
     try:
         for idx in group_microbatches(groups, micro_batch_size):
-            logp, _ = completion_logprobs(
+            mask = rollouts.completion_mask[idx]  # [m, T]
+            fwd = completion_forward(
                 model,
                 rollouts.prompt_ids[idx],
                 rollouts.prompt_mask[idx],
                 rollouts.completion_ids[idx],
-                rollouts.completion_mask[idx],
+                mask,
                 rollouts.temperature[idx],
-            )  # [m, T]
-            out[idx] = logp.float() * rollouts.completion_mask[idx]
+                value_head=value_head,
+            )
+            out[idx] = fwd.logp.float() * mask
+            if values is not None:
+                values[idx] = torch.where(mask.bool(), fwd.values, 0.0)
     finally:
         model.train(was_training)
-    return out
+    return out, values
 
 
 def needs_trainer_logprobs(
@@ -144,12 +156,14 @@ def with_trainer_logprobs(
     micro_batch_size: int,
     base_temperature: float,
     cap: float,
+    value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[Rollouts, dict[str, float]]:
     """``rollouts`` with ``old_logp`` from the trainer and the on-policy rows' temperature set
     to ``base_temperature`` (the loss then sees the policy the trainer optimises, whatever
     temperature each row or token was sampled at; the per-position temperatures are dropped);
     injected rows keep their stored log-probs and temperatures. Also returns the mismatch
-    metrics over the sampled tokens."""
+    metrics over the sampled tokens. With a ``value_head``, the same forward fills
+    ``old_values``."""
     on = _on_policy(rollouts)  # [N]
     base = torch.full_like(rollouts.temperature, base_temperature)
     r = dataclasses.replace(
@@ -157,9 +171,9 @@ def with_trainer_logprobs(
         temperature=torch.where(on, base, rollouts.temperature),
         position_temperature=None,
     )
-    old = trainer_logprobs(model, r, micro_batch_size)  # [N, T]
+    old, values = trainer_forward(model, r, micro_batch_size, value_head)  # [N, T]
     sampled = rollouts.completion_mask.float() * on[:, None]  # [N, T]
     if rollouts.offpolicy_mask is not None:
         old = torch.where(rollouts.offpolicy_mask.bool(), rollouts.behaviour_logp.float(), old)
     stats = mismatch_metrics(old, rollouts.behaviour_logp, sampled, cap)
-    return dataclasses.replace(r, old_logp=old), stats
+    return dataclasses.replace(r, old_logp=old, old_values=values), stats

@@ -1,8 +1,11 @@
-"""Token log-probs of completions under a model, in memory-bounded micro-batches."""
+"""Token log-probs (and values) of completions under a model, in memory-bounded micro-batches."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,15 +41,37 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+@contextmanager
+def lm_head_inputs(model: nn.Module, enabled: bool = True) -> Iterator[list[torch.Tensor]]:
+    """Collect the input of the model's LM head (``get_output_embeddings``) on every forward.
+
+    That input is the final hidden state (after the last norm) at exactly the positions the
+    logits are computed for, since transformers slices by ``logits_to_keep`` before the head:
+    a value head reads it from the forward that computes the log-probs, at no extra cost.
+    """
+    captured: list[torch.Tensor] = []
+    if not enabled:
+        yield captured
+        return
+    head = model.get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
 def _shared_prompt_logits(
     model: nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
+    hidden: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """Logits predicting each completion token, running each prompt only once: a list of
-    ``[n, 1, V]`` (first token) and, when ``t > 1``, ``[n, t - 1, V]`` (the others).
+    ``[n, 1, V]`` (first token) and, when ``t > 1``, ``[n, t - 1, V]`` (the others). The LM
+    head's inputs captured in ``hidden`` (see ``lm_head_inputs``) are put in the same row order.
 
     The ``G`` rows of a group share their prompt, so the prompt is encoded once per distinct
     prompt and its key/value cache is gathered per row (``index_select`` keeps the gradient to
@@ -66,6 +91,8 @@ def _shared_prompt_logits(
         logits_to_keep=1,
     )
     pieces = [out.logits[inverse]]  # [n, 1, V]
+    if hidden:
+        hidden[0] = hidden[0][inverse]  # [n, 1, H]
     t = completion_ids.shape[1]
     if t == 1:
         return pieces
@@ -108,7 +135,15 @@ def _token_logprobs(
     return logp, entropy
 
 
-def completion_logprobs(
+class CompletionForward(NamedTuple):
+    """What one forward over completions gives: ``[n, T]`` each, 0 on trimmed columns."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    values: torch.Tensor | None
+
+
+def completion_forward(
     model: nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -118,30 +153,34 @@ def completion_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     share_prompts: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs ``[n, T]`` of the completion tokens at the rows' sampling temperatures.
+    value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> CompletionForward:
+    """Log-probs ``[n, T]`` of the completion tokens at the rows' sampling temperatures, and
+    optionally their entropies and the values ``value_head(hidden)`` of the same forward.
 
     Columns that are padding in every row are trimmed first, and logits are computed only for
     the completion positions. With ``share_prompts`` each distinct prompt is encoded once (see
     ``_shared_prompt_logits``); otherwise every row runs prompt and completion in one pass.
-    Position ids follow the attention mask, as in generation with left padding.
+    Position ids follow the attention mask, as in generation with left padding. The value of
+    token ``t`` is read from the hidden state that predicts it (the state before the token).
     """
     t_full = completion_ids.shape[1]
     p_start, t_end = _trim(prompt_ids, prompt_mask, completion_mask)
     pids, pmask = prompt_ids[:, p_start:], prompt_mask[:, p_start:]  # [n, p]
     cids, cmask = completion_ids[:, :t_end], completion_mask[:, :t_end]  # [n, t]
-    if share_prompts:
-        pieces = _shared_prompt_logits(model, pids, pmask, cids, cmask)  # [n, 1 | t - 1, V]
-    else:
-        attn = torch.cat([pmask, cmask[:, :-1]], dim=1)  # [n, p + t - 1]
-        out = model(
-            input_ids=torch.cat([pids, cids[:, :-1]], dim=1),
-            attention_mask=attn,
-            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-            logits_to_keep=t_end,
-            use_cache=False,
-        )
-        pieces = [out.logits]  # [n, t, V]
+    with lm_head_inputs(model, enabled=value_head is not None) as hidden:
+        if share_prompts:
+            pieces = _shared_prompt_logits(model, pids, pmask, cids, cmask, hidden)  # [n, *, V]
+        else:
+            attn = torch.cat([pmask, cmask[:, :-1]], dim=1)  # [n, p + t - 1]
+            out = model(
+                input_ids=torch.cat([pids, cids[:, :-1]], dim=1),
+                attention_mask=attn,
+                position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                logits_to_keep=t_end,
+                use_cache=False,
+            )
+            pieces = [out.logits]  # [n, t, V]
     results, start = [], 0
     for logits in pieces:
         width = logits.shape[1]
@@ -153,6 +192,42 @@ def completion_logprobs(
         start += width
     pad = (0, t_full - t_end)
     logp = nn.functional.pad(torch.cat([r[0] for r in results], dim=1), pad)  # [n, T]
-    if not with_entropy:
-        return logp, None
-    return logp, nn.functional.pad(torch.cat([r[1] for r in results], dim=1), pad)  # [n, T]
+    entropy = None
+    if with_entropy:
+        entropy = nn.functional.pad(torch.cat([r[1] for r in results], dim=1), pad)  # [n, T]
+    values = None
+    if value_head is not None:
+        if len(hidden) != len(pieces):
+            raise RuntimeError(
+                f"Expected one LM-head call per logits piece ({len(pieces)}), saw "
+                f"{len(hidden)}: this model does not compute its logits in one head call."
+            )
+        values = nn.functional.pad(value_head(torch.cat(hidden, dim=1)), pad)  # [n, T]
+    return CompletionForward(logp, entropy, values)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: torch.Tensor,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log-probs, entropies or None)``, each ``[n, T]``: ``completion_forward`` without
+    values."""
+    out = completion_forward(
+        model,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        share_prompts=share_prompts,
+    )
+    return out.logp, out.entropy

@@ -7,7 +7,9 @@ module's attributes (``policy``, ``score``, ...).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,8 +26,15 @@ log = logging.getLogger("rlvr_lightning.module")
 def plain_hparam(value: Any) -> Any:
     """Hyperparameters as plain data, so checkpoints load with ``weights_only=True`` and
     LightningCLI can re-read them: dataclasses become dicts, importable functions and classes
-    their import path; other callables (instances) their ``repr``, which is informative only.
+    their import path, a ``functools.partial`` of a class (what LightningCLI makes of a
+    ``Callable[[int], ValueHead]`` argument) ``{class_path, init_args}``; other callables
+    (instances) their ``repr``, which is informative only.
     """
+    if isinstance(value, functools.partial):
+        classes = [a for a in (value.func, *value.args) if isinstance(a, type)]
+        if classes:
+            kwargs = {k: plain_hparam(v) for k, v in value.keywords.items()}
+            return {"class_path": plain_hparam(classes[-1]), "init_args": kwargs}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if isinstance(value, list | tuple):
@@ -47,8 +56,10 @@ class StepLifecycle(pl.LightningModule):
     _weights_touched = False  # an optimiser step ran since `_boundary` was taken
     _snapshotting = False
 
-    def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+    def _grad_norm(self, params: Iterable[torch.nn.Parameter] | None = None) -> float:
+        """Gradient norm over ``params`` (default: the policy's)."""
+        params = self.policy.parameters() if params is None else params
+        grads = [p.grad for p in params if p.grad is not None]
         return (
             float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
             if grads
@@ -123,8 +134,10 @@ class StepLifecycle(pl.LightningModule):
     # ---- optimisation ----------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
+        if self.value_head is not None:
+            groups.append(self.value_head.param_group())  # its own lr and weight decay
+        opt = torch.optim.AdamW(groups, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         warmup = self.hparams.warmup_steps
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0

@@ -1,4 +1,4 @@
-"""Per-token policy losses, KL estimators and the one loss reducer, :func:`agg_loss`.
+"""Per-token policy losses, KL estimators, the value loss and the one reducer, :func:`agg_loss`.
 
 Every policy loss has the signature of :class:`PolicyLossFn` and returns a ``[N, T]`` loss matrix
 that is 0 on padding, plus detached scalar metrics. Reduction to a scalar is a separate choice
@@ -278,6 +278,47 @@ def cispo_loss(
         "ratio_mean": masked_mean(ratio, valid).detach(),
     }
     return loss_mat, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None = 0.5,
+) -> LossOutput:
+    """PPO's clipped value loss ``½ · mean_t max((V - R)², (clip(V, V_old ± ε_v) - R)²)``.
+
+    The mean is over the valid tokens (token-mean); ``clip_range`` is ``ε_v`` (verl's
+    ``cliprange_value``, 0.5), None for the plain ``½ (V - R)²``. Where the clipped term wins,
+    the gradient is 0: the value cannot move more than ``ε_v`` from where it was at rollout.
+
+    Args:
+        values: ``[N, T]`` current values ``V_θ``.
+        old_values: ``[N, T]`` values at rollout time ``V_old`` (constants).
+        returns: ``[N, T]`` targets ``R`` (constants).
+        mask: ``[N, T]`` nonzero on completion tokens.
+        clip_range: ``ε_v``, or None.
+
+    Returns:
+        (scalar loss; detached metrics ``value_clip_frac`` (share of tokens where the clipped
+        term is the larger) and ``value_mean``).
+    """
+    valid = mask.bool()  # [N, T]
+    v = torch.where(valid, values, 0.0)  # [N, T]
+    ret = torch.where(valid, returns.detach(), 0.0)  # [N, T]
+    unclipped = (v - ret) ** 2  # [N, T]
+    loss_mat, clipped_wins = unclipped, torch.zeros_like(valid)
+    if clip_range is not None:
+        old = torch.where(valid, old_values.detach(), 0.0)  # [N, T]
+        clipped = (old + (v - old).clamp(-clip_range, clip_range) - ret) ** 2  # [N, T]
+        loss_mat = torch.maximum(unclipped, clipped)
+        clipped_wins = clipped > unclipped
+    metrics = {
+        "value_clip_frac": _frac(clipped_wins, valid),
+        "value_mean": masked_mean(v.detach(), valid),
+    }
+    return 0.5 * masked_mean(loss_mat, valid), metrics
 
 
 # --- off-policy tokens (spec §4.7) ---------------------------------------------------------

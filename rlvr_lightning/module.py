@@ -17,6 +17,7 @@ import torch
 from rlvr_lightning import build, models
 from rlvr_lightning.dynamic import keep_first, refill_step
 from rlvr_lightning.generation import GenerationStage
+from rlvr_lightning.heads import ValueHead
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
 from rlvr_lightning.metrics import EvalMetrics
@@ -46,7 +47,11 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             estimator: ``grpo``, ``dapo``, ``dr_grpo``, ``gspo`` or ``cispo``.
         loss_fn: a custom per-token policy loss (import path in YAML) with the signature of
             ``losses.PolicyLossFn``; overrides the preset's loss.
-        estimator: advantage estimator (``grpo``, ``dr_grpo``, ``rloo``); None = the preset's.
+        estimator: advantage estimator (``grpo``, ``dr_grpo``, ``rloo``, or ``gae``: per-token
+            GAE with ``value_head`` as critic, spec §8.7); None = the preset's.
+        value_head: the critic of ``estimator: gae``, called with the policy's hidden size:
+            ``heads.ValueHead`` (class path and init args in YAML: MLP, lr, value clipping,
+            ``gamma``, ``lam``); None without it. It is saved in checkpoints.
         agg_mode: loss aggregation (see ``losses.agg_loss``); None = the preset's.
         clip_low: lower clip range; None = the preset's.
         clip_high: upper clip range; None = the preset's.
@@ -139,6 +144,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         algorithm: AlgorithmName = "grpo",
         loss_fn: Callable | None = None,
         estimator: EstimatorName | None = None,
+        value_head: Callable[[int], ValueHead] | None = None,
         agg_mode: AggMode | None = None,
         clip_low: float | None = None,
         clip_high: float | None = None,
@@ -199,6 +205,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         self.policy, self.tokenizer = build.policy_and_tokenizer(
             policy, dtype, lora_rank, lora_alpha, lora_target_modules
         )
+        self.value_head = build.value_head(value_head, self.policy)  # a submodule: checkpointed
         build.check_prompt_format(prompt_format, self.tokenizer, policy)
         # Not registered as a submodule: the frozen copy never enters checkpoints or optimisers.
         self._reference = (
@@ -270,9 +277,11 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
     def compute_advantages(self, scored: Scored) -> torch.Tensor:
         """Advantages ``[N]`` (or ``[N, T]``) from the rewards; override to change the estimator.
 
-        Groups with off-policy members use ``offpolicy.mixed_advantages`` (baseline choice, caps).
+        Groups with off-policy members use ``offpolicy.mixed_advantages`` (baseline choice, caps);
+        ``gae`` reads the value head's ``V_old`` (``Rollouts.old_values``).
         """
-        return mixed_advantages(scored, self.estimator, self.hparams.offpolicy_baseline)
+        extra = {} if self.value_head is None else self.value_head.estimator_kwargs(scored.rollouts)
+        return mixed_advantages(scored, self.estimator, self.hparams.offpolicy_baseline, **extra)
 
     def select_groups(self, batch: PromptBatch, scored: Scored) -> torch.Tensor:
         """``[B]`` bool: groups the update uses.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -295,20 +295,25 @@ def _with_source_metrics(scored: Scored) -> Scored:
     return dataclasses.replace(scored, metrics=metrics)
 
 
-def mixed_advantages(scored: Scored, estimator: str, baseline: BaselineMode) -> torch.Tensor:
-    """Advantages ``[N]`` of a group that may hold off-policy members.
+def mixed_advantages(
+    scored: Scored, estimator: str, baseline: BaselineMode, **estimator_kwargs: Any
+) -> torch.Tensor:
+    """Advantages ``[N]`` (``[N, T]`` for ``gae``) of a group that may hold off-policy members.
 
     The baseline rows are ``scored.baseline_mask`` when a callback set it, else all rows
     (``mixed``, LUFFY's script) or the on-policy rows (``on_policy``, LUFFY's ``grpo_split``).
     A mixed baseline is the module's estimator as usual; a restricted one supports ``grpo`` and
     ``dr_grpo``. ``scored.advantage_cap`` then bounds each row's advantage from above.
+    ``estimator_kwargs`` go to ``advantages.compute_advantages`` (``gae``'s values and mask).
     """
     rollouts = scored.rollouts
     mask = scored.baseline_mask
     if mask is None and baseline == "on_policy" and rollouts.offpolicy_mask is not None:
         mask = on_policy_rows(rollouts)
     if mask is None or bool(mask.all()):
-        adv = adv_lib.compute_advantages(scored.rewards, rollouts.group_size, estimator)
+        adv = adv_lib.compute_advantages(
+            scored.rewards, rollouts.group_size, estimator, **estimator_kwargs
+        )
     elif estimator in ("grpo", "dr_grpo"):
         adv = adv_lib.masked_group_advantages(
             scored.rewards, rollouts.group_size, mask, normalize_std=estimator == "grpo"
@@ -319,7 +324,8 @@ def mixed_advantages(scored: Scored, estimator: str, baseline: BaselineMode) -> 
             f"{estimator!r}; set model.estimator, or offpolicy_baseline: mixed."
         )
     if scored.advantage_cap is not None:
-        adv = torch.minimum(adv, scored.advantage_cap.to(adv))
+        cap = scored.advantage_cap.to(adv)  # [N]
+        adv = torch.minimum(adv, cap if adv.dim() == 1 else cap[:, None])
     return adv
 
 

@@ -1,8 +1,8 @@
 """Update stage of ``RLVRModule``: ``π_old``, the optimiser steps, the stopping rule.
 
 A mixin, so ``module.py`` keeps the step's orchestration; it reads the module's attributes
-(``policy``, ``updater``, ``hparams``, ``reference``, ``engine``, ...). The maths is in
-``update.PolicyUpdate``, ``losses`` and ``correction``.
+(``policy``, ``value_head``, ``updater``, ``hparams``, ``reference``, ``engine``, ...). The
+maths is in ``update.PolicyUpdate``, ``losses`` and ``correction``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class UpdateStage(pl.LightningModule):
         if most_rows == 0:
             return {"update/skipped_empty": 1.0}
         opt, sched = self.optimizers(), self.lr_schedulers()
+        value = None if self.value_head is None else self.value_head.targets(scored)
         metrics: dict[str, float] = {}
         h = self.hparams
         for _ in range(h.epochs_per_rollout):
@@ -50,44 +51,73 @@ class UpdateStage(pl.LightningModule):
                     self.manual_backward,
                     mean_over_ranks=self._mean_over_ranks,
                     no_sync=lambda: ranks.no_backward_sync(self.trainer.strategy),
+                    value=value,
                 )
                 metrics = {**m, "loss": loss}
                 # A finite loss can still give NaN/inf gradients (e.g. a huge lr); under DDP
                 # they are all-reduced already, so every rank takes the same decision.
-                finite_loss = math.isfinite(loss)
-                what, value = (
-                    ("gradient norm", self._grad_norm()) if finite_loss else ("loss", loss)
-                )
-                if not math.isfinite(value):
-                    self._skip_nonfinite(value, what)
+                problem = self._nonfinite_problem(loss, m.get("value_loss", 0.0))
+                if problem is not None:
+                    self._skip_nonfinite(problem[1], problem[0])
                     opt.zero_grad(set_to_none=True)
                     continue
                 self._nonfinite_streak = 0
-                if h.grad_clip is not None:
-                    self.clip_gradients(
-                        opt, gradient_clip_val=h.grad_clip, gradient_clip_algorithm="norm"
-                    )
+                self._clip(opt)
                 metrics["grad_norm"] = self._grad_norm()
+                if self.value_head is not None:
+                    metrics["value_grad_norm"] = self._grad_norm(self.value_head.parameters())
                 self._weights_touched = True  # checkpoints on exception: see lifecycle
                 opt.step()
                 sched.step()
         return metrics
 
+    def _nonfinite_problem(self, loss: float, value_loss: float) -> tuple[str, float] | None:
+        """``(what, value)`` of the first non-finite loss or gradient norm, else None."""
+        checks = [("loss", lambda: loss), ("value loss", lambda: value_loss)]
+        checks.append(("gradient norm", self._grad_norm))
+        if self.value_head is not None:
+            checks.append(
+                ("value head gradient norm", lambda: self._grad_norm(self.value_head.parameters()))
+            )
+        for what, get in checks:
+            number = get()
+            if not math.isfinite(number):
+                return what, number
+        return None
+
+    def _clip(self, opt: torch.optim.Optimizer) -> None:
+        """Clip the gradient norm to ``grad_clip``; with a value head, the policy's and the
+        head's parameter groups each to their own norm, so the young critic's large gradients
+        never shrink the policy's step (verl clips actor and critic separately)."""
+        h = self.hparams
+        if h.grad_clip is None:
+            return
+        if self.value_head is None:
+            self.clip_gradients(opt, gradient_clip_val=h.grad_clip, gradient_clip_algorithm="norm")
+            return
+        for group in opt.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], h.grad_clip)
+
     def recompute_old_logprobs(self, scored: Scored) -> tuple[Scored, dict[str, float]]:
         """``π_old`` from the trainer where the sampler differs from it (``old_logprobs``,
-        ``correction.py``); returns the scored batch and the mismatch metrics."""
+        ``correction.py``) and, with a value head, ``V_old`` (``Rollouts.old_values``) from the
+        same no-grad forward; without a ``π_old`` recomputation the values cost one no-grad
+        forward of their own. Returns the scored batch and the mismatch metrics."""
         h, r = self.hparams, scored.rollouts
         base = self.sampling.temperature
-        if not correction.needs_trainer_logprobs(
-            h.old_logprobs, self.engine.shares_policy, r, base
-        ):
+        if correction.needs_trainer_logprobs(h.old_logprobs, self.engine.shares_policy, r, base):
+            r, stats = correction.with_trainer_logprobs(
+                self.policy, r, h.micro_batch_size, base, h.rollout_correction_cap, self.value_head
+            )
+            metrics = {f"mismatch/{k}": v for k, v in stats.items()}
+        elif self.value_head is not None:
+            _, values = correction.trainer_forward(
+                self.policy, r, h.micro_batch_size, self.value_head
+            )
+            r, metrics = dataclasses.replace(r, old_values=values), {}
+        else:
             return scored, {}
-        r, stats = correction.with_trainer_logprobs(
-            self.policy, r, h.micro_batch_size, base, h.rollout_correction_cap
-        )
-        return dataclasses.replace(scored, rollouts=r), {
-            f"mismatch/{k}": v for k, v in stats.items()
-        }
+        return dataclasses.replace(scored, rollouts=r), metrics
 
     def _mean_over_ranks(self, value: float) -> float:
         return ranks.over_ranks(self.trainer.strategy, value, "mean", self.device)

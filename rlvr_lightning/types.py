@@ -134,6 +134,9 @@ class Rollouts:
     # [N, T] temperature each token was drawn at, where it varies along the row (a position
     # schedule, EAD); None means every token of a row was drawn at its ``temperature``.
     position_temperature: torch.Tensor | None = None
+    # [N, T] values ``V_old`` of a value head at rollout time (the no-grad forward before the
+    # update, ``heads/value.py``); None without a value head.
+    old_values: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from rlvr_lightning.correction import CorrectionLevel, CorrectionMode, correction_weights
-from rlvr_lightning.forward import completion_logprobs, group_microbatches
+from rlvr_lightning.forward import completion_forward, completion_logprobs, group_microbatches
 from rlvr_lightning.losses import (
     AggMode,
     OffPolicyWeighting,
@@ -19,6 +20,7 @@ from rlvr_lightning.losses import (
     agg_units,
     kl_estimate,
     mixed_policy_loss,
+    value_loss,
 )
 from rlvr_lightning.offpolicy import (
     finish_source_metrics,
@@ -29,11 +31,14 @@ from rlvr_lightning.offpolicy import (
 from rlvr_lightning.ops import masked_mean
 from rlvr_lightning.types import Rollouts
 
+if TYPE_CHECKING:
+    from rlvr_lightning.heads import ValueBatch
 
-def zero_loss(model: nn.Module) -> torch.Tensor:
+
+def zero_loss(*modules: nn.Module) -> torch.Tensor:
     """A loss of exactly 0 that reaches every trainable parameter: its backward adds zero
     gradients and fires DDP's all-reduce hooks, without a forward that could be non-finite."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
     return torch.stack([p.sum() for p in params]).sum() * 0.0
 
 
@@ -47,7 +52,9 @@ class PolicyUpdate:
     forward): exact for on-policy updates and the correct ``π_old`` for later epochs. When the
     module recomputed ``π_old`` with the trainer (``Rollouts.old_logp``, see ``correction.py``),
     that is ``π_old`` and each token's loss is weighted by ``rollout_correction`` (``tis``:
-    ``min(π_old / π_behaviour, correction_cap)``; ``mask``; ``none``).
+    ``min(π_old / π_behaviour, correction_cap)``; ``mask``; ``none``). With a value head
+    (``value``), the same forward gives ``V_θ`` and ``head.loss_coef`` times the value loss
+    (a token-mean, so each micro-batch weighs by its share of the tokens) joins the objective.
     """
 
     loss_fn: PolicyLossFn
@@ -77,6 +84,7 @@ class PolicyUpdate:
         backward: Callable[[torch.Tensor], None],
         mean_over_ranks: Callable[[float], float] | None = None,
         no_sync: Callable[[], AbstractContextManager] | None = None,
+        value: ValueBatch | None = None,
     ) -> tuple[float, dict[str, float]]:
         """Backpropagate the loss of ``rows`` (``[n]`` indices); return it and its metrics.
 
@@ -86,34 +94,46 @@ class PolicyUpdate:
         DDP's mean gradient is the union batch's (one token-mean over all ranks' tokens, not a
         mean of per-rank means); every rank, one without rows included, runs exactly one
         synchronising backward, and the returned loss is the union batch's on every rank, so a
-        decision on it is the same everywhere. Metrics stay this rank's own means.
+        decision on it is the same everywhere. Metrics stay this rank's own means; with a
+        value head they include ``value_loss`` (the union batch's, like the loss).
         """
         masks = rollouts.completion_mask  # [N, T]
         local_units = agg_units(masks[rows], self.agg_mode)
         reduce = mean_over_ranks or float
         mean_units = reduce(local_units)
+        local_tokens = agg_units(masks[rows], "token-mean")
+        mean_tokens = reduce(local_tokens) if value is not None else 0.0
         groups = rows // rollouts.group_size  # [n]
         micros = [rows[m] for m in group_microbatches(groups, self.micro_batch_size)]
         micros = [idx for idx in micros if agg_units(masks[idx], self.agg_mode) > 0]
-        loss_share, sums = 0.0, {}
+        loss_share, value_share, sums = 0.0, 0.0, {}
         for i, idx in enumerate(micros):
             mask = masks[idx].float()  # [m, T]
-            units = agg_units(mask, self.agg_mode)
-            loss, metrics = self._micro_loss(
-                model, rollouts, advantages, idx, mask, reference_logprobs
+            units, tokens = agg_units(mask, self.agg_mode), agg_units(mask, "token-mean")
+            loss, v_loss, metrics = self._micro_loss(
+                model, rollouts, advantages, idx, mask, reference_logprobs, value
             )
+            objective = loss * (units / mean_units)
+            if v_loss is not None:
+                objective = objective + value.head.loss_coef * v_loss * (tokens / mean_tokens)
+                value_share += float(v_loss.detach()) * tokens / mean_tokens
             defer = no_sync is not None and i < len(micros) - 1
             with no_sync() if defer else nullcontext():
-                backward(loss * (units / mean_units))
+                backward(objective)
             loss_share += float(loss.detach()) * units / mean_units
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * units / local_units
+                share = tokens / local_tokens if k.startswith("value_") else units / local_units
+                sums[k] = sums.get(k, 0.0) + float(v) * share
         if not micros and mean_over_ranks is not None and mean_units > 0:
-            backward(zero_loss(model))  # other ranks train: take part in their all-reduce
+            heads = () if value is None else (value.head,)
+            backward(zero_loss(model, *heads))  # other ranks train: take part in their all-reduce
         loss_total = reduce(loss_share) if mean_units > 0 else 0.0
-        return loss_total, finish_source_metrics(sums, rollouts, advantages, rows)
+        metrics = finish_source_metrics(sums, rollouts, advantages, rows)
+        if value is not None:
+            metrics["value_loss"] = reduce(value_share) if mean_tokens > 0 else 0.0
+        return loss_total, metrics
 
-    def _micro_loss(self, model, rollouts, advantages, idx, mask, reference_logprobs):
+    def _micro_loss(self, model, rollouts, advantages, idx, mask, reference_logprobs, value):
         inputs = (
             rollouts.prompt_ids[idx],
             rollouts.prompt_mask[idx],
@@ -121,9 +141,13 @@ class PolicyUpdate:
             rollouts.completion_mask[idx],
             rollouts.temperature[idx],
         )
-        logp, entropy = completion_logprobs(
-            model, *inputs, with_entropy=True, entropy_grad=self.entropy_coef > 0
-        )  # [m, T]
+        logp, entropy, values = completion_forward(
+            model,
+            *inputs,
+            with_entropy=True,
+            entropy_grad=self.entropy_coef > 0,
+            value_head=None if value is None else value.head,
+        )  # [m, T] each (values: None without a value head)
         old_logp = rollouts.behaviour_logp[idx]  # [m, T]
         weights = None
         if rollouts.old_logp is not None:
@@ -175,4 +199,9 @@ class PolicyUpdate:
             loss = loss - self.entropy_coef * agg_loss(
                 entropy, mask, self.agg_mode, norm_len=self.norm_len
             )
-        return loss, metrics
+        if value is None:
+            return loss, None, metrics
+        v_loss, v_metrics = value_loss(
+            values, value.old_values[idx], value.returns[idx], mask, value.head.clip_range
+        )
+        return loss, v_loss, {**metrics, **{k: float(v) for k, v in v_metrics.items()}}

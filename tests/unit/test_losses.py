@@ -17,6 +17,7 @@ from rlvr_lightning.losses import (
     gspo_loss,
     kl_estimate,
     ppo_clip_loss,
+    value_loss,
 )
 
 LN2 = math.log(2)
@@ -292,3 +293,47 @@ def test_per_token_advantages_match_broadcast_row_advantages(fn: PolicyLossFn) -
     torch.testing.assert_close(row, token)
     with pytest.raises(ValueError, match="advantages"):
         fn(logp, old_logp, torch.ones(2, 2), PPO_MASK, clip_low=0.2, clip_high=0.2)
+
+
+# --- value loss (spec §8.7) ------------------------------------------------------------------
+
+# Three valid tokens (a, b | c); padding holds 7 and 5, which must not count.
+V = torch.tensor([[0.9, 0.2, 7.0], [-0.3, 5.0, 5.0]])  # [N, T]
+V_OLD = torch.tensor([[0.2, 0.1, 0.0], [0.0, 0.0, 0.0]])  # [N, T]
+RET = torch.tensor([[1.0, 0.5, 0.0], [0.5, 0.0, 0.0]])  # [N, T]
+V_MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])  # [N, T]
+
+
+def test_value_loss_clipped_hand_values_and_gradient() -> None:
+    # eps_v = 0.5. a: V = 0.9 leaves [0.2 - 0.5, 0.2 + 0.5], clipped to 0.7:
+    #   (0.9 - 1)^2 = 0.01 < (0.7 - 1)^2 = 0.09 -> 0.09, clipped term wins, gradient 0.
+    # b: V = 0.2 inside [-0.4, 0.6]: both terms (0.2 - 0.5)^2 = 0.09.
+    # c: V = -0.3 inside [-0.5, 0.5]: (-0.3 - 0.5)^2 = 0.64.
+    # loss = 0.5 * (0.09 + 0.09 + 0.64) / 3 = 0.136667; clip fraction 1/3.
+    # dL/dV_b = 0.5 * 2 * (0.2 - 0.5) / 3 = -0.1; dL/dV_c = 0.5 * 2 * (-0.8) / 3 = -0.266667.
+    values = V.clone().requires_grad_(True)
+    loss, metrics = value_loss(values, V_OLD, RET, V_MASK, clip_range=0.5)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor(0.82 / 6))
+    torch.testing.assert_close(metrics["value_clip_frac"], torch.tensor(1 / 3))
+    torch.testing.assert_close(metrics["value_mean"], torch.tensor(0.8 / 3))
+    expected_grad = torch.tensor([[0.0, -0.1, 0.0], [-0.8 / 3, 0.0, 0.0]])
+    torch.testing.assert_close(values.grad, expected_grad)
+
+
+def test_value_loss_without_clipping_is_half_the_mse() -> None:
+    # 0.5 * (0.01 + 0.09 + 0.64) / 3 = 0.123333: token a is no longer clipped.
+    loss, metrics = value_loss(V, V_OLD, RET, V_MASK, clip_range=None)
+    torch.testing.assert_close(loss, torch.tensor(0.74 / 6))
+    assert float(metrics["value_clip_frac"]) == 0.0
+
+
+def test_value_loss_ignores_nonfinite_padding() -> None:
+    values = V.clone()
+    values[0, 2] = float("nan")
+    values[1, 1:] = float("inf")
+    values.requires_grad_(True)
+    loss, _ = value_loss(values, V_OLD, RET, V_MASK)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor(0.82 / 6))
+    assert torch.isfinite(values.grad).all()
