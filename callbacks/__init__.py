@@ -14,6 +14,7 @@ from rlvr_lightning.callbacks.completions_table import CompletionsTable
 from rlvr_lightning.callbacks.export_model import ExportModel
 from rlvr_lightning.callbacks.ground_truth_injection import GroundTruthInjection
 from rlvr_lightning.callbacks.mixed_policy_guidance import MixedPolicyGuidance
+from rlvr_lightning.callbacks.near_future_guidance import NearFuturePolicyGuidance
 from rlvr_lightning.callbacks.prediction_writer import PredictionWriter
 from rlvr_lightning.callbacks.push_to_hub import PushToHub
 from rlvr_lightning.callbacks.step_progress_bar import RichStepProgressBar, StepProgressBar
@@ -25,6 +26,7 @@ __all__ = [
     "ExportModel",
     "GroundTruthInjection",
     "MixedPolicyGuidance",
+    "NearFuturePolicyGuidance",
     "PredictionWriter",
     "PushToHub",
     "RichStepProgressBar",

@@ -46,6 +46,10 @@ class Member:
         temperature: temperature at which the policy scores the tokens (that of
             ``behaviour_logp`` when given).
         reward: total reward forced on the member (AMPO forces 1.0); None = verifier's.
+        as_on_policy: the loss treats its tokens as the policy's own samples (the clipped
+            policy loss, no ``offpolicy_weighting``; NPO's near-future guide, spec §6);
+            ``behaviour_logp`` must then hold the current policy's log-probs. The row keeps
+            its source tag, so it never counts in the prompt's outcome.
     """
 
     row: int
@@ -55,6 +59,7 @@ class Member:
     behaviour_logp: Sequence[float] | None = None
     temperature: float = 1.0
     reward: float | None = None
+    as_on_policy: bool = False
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.token_ids is None):
@@ -65,6 +70,8 @@ class Member:
             self.token_ids is None or len(self.behaviour_logp) != len(self.token_ids)
         ):
             raise ValueError("behaviour_logp needs token_ids of the same length.")
+        if self.as_on_policy and self.behaviour_logp is None:
+            raise ValueError("An as_on_policy member needs the policy's behaviour_logp.")
 
 
 def sources_of(rollouts: Rollouts) -> tuple[str, ...]:
@@ -126,8 +133,10 @@ def replace_rows(
     temperatures: Sequence[float],
     texts: Sequence[str],
     pad_id: int,
+    as_on_policy: Sequence[bool] | None = None,
 ) -> Rollouts:
-    """New rollouts with rows ``rows`` replaced by the given completions, marked off-policy.
+    """New rollouts with rows ``rows`` replaced by the given completions, marked off-policy
+    in ``offpolicy_mask`` unless ``as_on_policy`` says so for the row.
 
     The completion width grows when a member is longer than ``T``; prompts are kept.
     """
@@ -145,13 +154,14 @@ def replace_rows(
     position = rollouts.position_temperature
     position = None if position is None else _pad_right(position, width, 1.0).clone()  # [N, T']
     tags, completions = list(sources_of(rollouts)), list(rollouts.completions)
-    for row, tok, lp, src, temp, text in zip(
-        rows, token_ids, behaviour_logp, sources, temperatures, texts, strict=True
+    own = [False] * len(rows) if as_on_policy is None else list(as_on_policy)
+    for row, tok, lp, src, temp, text, mine in zip(
+        rows, token_ids, behaviour_logp, sources, temperatures, texts, own, strict=True
     ):
         n = len(tok)
         ids[row], mask[row], logp[row], off[row] = pad_id, 0, 0.0, 0
         ids[row, :n] = torch.as_tensor(list(tok), dtype=ids.dtype)
-        mask[row, :n], off[row, :n] = 1, 1
+        mask[row, :n], off[row, :n] = 1, 0 if mine else 1
         if lp is not None:
             logp[row, :n] = torch.as_tensor(list(lp), dtype=logp.dtype)
         temperature[row], truncated[row] = temp, False
@@ -263,6 +273,7 @@ def inject(
         [m.temperature for m in members],
         texts,
         module.tokenizer.pad_token_id,
+        [m.as_on_policy for m in members],
     )
     sub = module.score(prompt_rows(batch, [r // g for r in rows]), select_rows(rollouts, rows))
     idx = torch.as_tensor(rows, device=scored.rewards.device)
