@@ -45,7 +45,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from rlvr_lightning import lookahead, models, npo
+from rlvr_lightning import lookahead, models, npo, ranks
 from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.forward import completion_logprobs
 from rlvr_lightning.hooks import RLVRCallback
@@ -306,8 +306,11 @@ class NearFuturePolicyGuidance(RLVRCallback):
     ) -> tuple[int | None, dict[str, float]]:
         """AutoNPO: score each candidate guide on the mistake pool, keep the best ``S``."""
         prompts = self.pool.newest(self.q_prompts)
+        strategy = module.trainer.strategy
         metrics: dict[str, float] = {"npo/pool_prompts": float(len(prompts))}
-        if not prompts:
+        # Every rank decides alike (under DDP each has its own pool): skip only when all are
+        # empty, and choose Δ by Q and V averaged over the ranks.
+        if ranks.over_ranks(strategy, len(prompts), "max", module.device) == 0:
             metrics["npo/skipped_no_mistakes"] = 1.0
             return None, metrics
         batch = PromptBatch(
@@ -322,14 +325,17 @@ class NearFuturePolicyGuidance(RLVRCallback):
         for delta, weights in kept.items():
             self.guide_weights = weights
             self._build_guide(module)
-            rollouts, correct = self._sample_guide(module, batch)
-            solved = correct.view(len(batch), -1).any(1).tolist()
-            q = npo.signal_quality(solved)
-            v = npo.logratio_variance(
-                self._policy_logp(module, rollouts),
-                rollouts.behaviour_logp,
-                rollouts.completion_mask,
-            )
+            q = v = 0.0
+            if prompts:
+                rollouts, correct = self._sample_guide(module, batch)
+                q = npo.signal_quality(correct.view(len(batch), -1).any(1).tolist())
+                v = npo.logratio_variance(
+                    self._policy_logp(module, rollouts),
+                    rollouts.behaviour_logp,
+                    rollouts.completion_mask,
+                )
+            q = ranks.over_ranks(strategy, q, "mean", module.device)
+            v = ranks.over_ranks(strategy, v, "mean", module.device)
             scores[delta] = npo.effective_signal(q, v)
             metrics.update(
                 {f"npo/Q@{delta}": q, f"npo/V@{delta}": v, f"npo/S@{delta}": scores[delta]}
