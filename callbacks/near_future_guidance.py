@@ -284,6 +284,8 @@ class NearFuturePolicyGuidance(RLVRCallback):
             self._load_manual_guide(module)
             self.delta = 0
             return step, {}
+        if self.mode == "auto" and not self._any_mistakes(module):
+            return None, {"npo/skipped_no_mistakes": 1.0}  # nothing to guide: no look-ahead
         deltas = [self.lookahead] if self.mode == "lookahead" else self.candidates
         kept = self._look_ahead(trainer, module, max(deltas), deltas)
         if self.mode == "lookahead":
@@ -291,6 +293,11 @@ class NearFuturePolicyGuidance(RLVRCallback):
             self._build_guide(module)
             return step + self.lookahead, {}
         return self._choose(module, step, kept)
+
+    def _any_mistakes(self, module: RLVRModule) -> bool:
+        """Whether the mistake pool of any rank holds a prompt (the same answer on all)."""
+        strategy = module.trainer.strategy
+        return ranks.over_ranks(strategy, len(self.pool), "max", module.device) > 0
 
     def _look_ahead(
         self, trainer: pl.Trainer, module: RLVRModule, steps: int, keep_at: list[int]
@@ -308,11 +315,8 @@ class NearFuturePolicyGuidance(RLVRCallback):
         prompts = self.pool.newest(self.q_prompts)
         strategy = module.trainer.strategy
         metrics: dict[str, float] = {"npo/pool_prompts": float(len(prompts))}
-        # Every rank decides alike (under DDP each has its own pool): skip only when all are
-        # empty, and choose Δ by Q and V averaged over the ranks.
-        if ranks.over_ranks(strategy, len(prompts), "max", module.device) == 0:
-            metrics["npo/skipped_no_mistakes"] = 1.0
-            return None, metrics
+        # Every rank decides alike (under DDP each has its own pool, and `_any_mistakes` held
+        # on some rank): Δ by Q and V averaged over the ranks.
         batch = PromptBatch(
             prompt_ids=[pid for pid, _ in prompts],
             messages=[p["messages"] for _, p in prompts],

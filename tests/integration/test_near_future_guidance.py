@@ -185,3 +185,24 @@ def test_npo_config_runs_through_the_cli(tmp_path, monkeypatch):
     # looked ahead 4 steps at step 4, then guided steps 4 and 5
     assert cli.trainer.global_step == 6 and npo_cb.interventions == 1
     assert npo_cb.guide_step == 8 and npo_cb.active_until == 12
+
+
+def test_auto_without_mistakes_never_looks_ahead(monkeypatch):
+    from rlvr_lightning import lookahead
+
+    def fail(*args, **kwargs):
+        raise AssertionError("looked ahead with an empty mistake pool")
+
+    monkeypatch.setattr(lookahead, "train_ahead", fail)
+    npo_cb = NearFuturePolicyGuidance(mode="auto", window=1, min_reward_gain=10.0, min_gap=0)
+    torch.manual_seed(0)
+    module = RLVRModule(
+        "tiny:0",
+        reward_fns=[lambda completions, **_: [1.0] * len(completions), digit_fraction],
+        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+    )
+    data = RLVRDataModule("addition", train_size=8, val_size=2, prompts_per_step=2)
+    trainer = quiet_trainer(max_steps=4, callbacks=[npo_cb])
+    trainer.fit(module, datamodule=data)
+    assert npo_cb.triggered is False and npo_cb.interventions == 0 and len(npo_cb.pool) == 0
+    assert float(trainer.logged_metrics["train/npo/skipped_no_mistakes"]) == 1.0
