@@ -199,9 +199,11 @@ def _drop_tip(record: logging.LogRecord) -> bool:
 
 def silence_library_noise() -> None:
     """Mute what the libraries print on every normal run and the user can do nothing about:
-    Lightning's advert for its cloud logger (logged at INFO each time loggers are set up) and
+    Lightning's advert for its cloud logger (logged at INFO each time loggers are set up),
     the FutureWarning Lightning's ``CombinedLoader`` triggers in torch >= 2.13's pytree
-    (``isinstance(treespec, LeafSpec)``). Idempotent."""
+    (``isinstance(treespec, LeafSpec)``), and ModelCheckpoint's 20-line example about saving
+    pre-optimisation state under manual optimisation (this module checkpoints at step
+    boundaries, after the optimiser step, on purpose). Idempotent."""
     tip_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if _drop_tip not in tip_logger.filters:
         tip_logger.addFilter(_drop_tip)
@@ -209,6 +211,9 @@ def silence_library_noise() -> None:
         "ignore",
         message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         category=FutureWarning,
+    )
+    warnings.filterwarnings(
+        "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps"
     )
 
 

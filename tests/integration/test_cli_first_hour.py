@@ -160,3 +160,17 @@ def test_lightnings_logger_advert_is_dropped_and_other_info_kept():
 
     assert not passes("💡 Tip: For seamless cloud logging and experiment tracking, try ...")
     assert passes("GPU available: False, used: False")
+
+
+def test_modelcheckpoints_manual_optimisation_example_is_muted_and_other_warnings_kept():
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        silence_library_noise()
+        rank_zero_warn(
+            "Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
+            "pre-optimization state was saved. The checkpoint will contain the model state ..."
+        )
+        warnings.warn("a warning the user should see", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["a warning the user should see"]
