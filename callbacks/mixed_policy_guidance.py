@@ -367,6 +367,7 @@ class MixedPolicyGuidance(RLVRCallback):
                 mask,
                 torch.tensor(temps, device=device, dtype=torch.float32),
                 with_entropy=True,
+                head_chunk_tokens=module.updater.head_chunk_tokens,
             )
         return logp, entropy, mask
 

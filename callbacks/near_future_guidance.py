@@ -415,6 +415,7 @@ class NearFuturePolicyGuidance(RLVRCallback):
                     rollouts.completion_ids[sl],
                     rollouts.completion_mask[sl],
                     rollouts.temperature[sl],
+                    head_chunk_tokens=module.updater.head_chunk_tokens,
                 )
                 out[sl] = logp.float() * rollouts.completion_mask[sl]
         return out

@@ -27,6 +27,11 @@ def validate_options(h: Mapping[str, Any], estimator: str) -> None:
         raise ValueError(
             "epochs_per_rollout, minibatches_per_rollout and micro_batch_size must all be >= 1."
         )
+    if h["head_chunk_tokens"] < 1:
+        raise ValueError(
+            f"head_chunk_tokens must be >= 1, got {h['head_chunk_tokens']} (to use the model's "
+            "own LM head and full logits, set chunked_head: false)."
+        )
     if h["max_steps_without_update"] is not None and h["max_steps_without_update"] < 1:
         raise ValueError("max_steps_without_update must be >= 1, or null to never stop.")
     if h["offpolicy_baseline"] == "on_policy" and estimator not in ("grpo", "dr_grpo"):
@@ -108,6 +113,7 @@ def policy_update(preset: Preset, h: Mapping[str, Any], loss_fn: Callable | None
         rollout_correction=h["rollout_correction"],
         correction_cap=h["rollout_correction_cap"],
         correction_level=h["rollout_correction_level"],
+        head_chunk_tokens=h["head_chunk_tokens"] if h["chunked_head"] else None,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS
 from rlvr_lightning.forward import completion_forward, group_microbatches
 from rlvr_lightning.types import Rollouts
 
@@ -97,11 +98,12 @@ def trainer_forward(
     rollouts: Rollouts,
     micro_batch_size: int,
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[N, T]`` log-probs of the sampled tokens under ``model`` as the update computes them
-    (same forward, same temperatures, whatever autocast is active), in micro-batches of whole
-    groups, and the ``[N, T]`` values of ``value_head`` from the same forward (None without
-    one); 0 on padding."""
+    (same forward, same temperatures, same LM-head path ``head_chunk_tokens``, whatever
+    autocast is active), in micro-batches of whole groups, and the ``[N, T]`` values of
+    ``value_head`` from the same forward (None without one); 0 on padding."""
     out = torch.zeros_like(rollouts.behaviour_logp, dtype=torch.float32)  # [N, T]
     values = None if value_head is None else torch.zeros_like(out)  # [N, T]
     groups = torch.arange(rollouts.num_rows, device=out.device) // rollouts.group_size  # [N]
@@ -118,6 +120,7 @@ def trainer_forward(
                 mask,
                 rollouts.temperature[idx],
                 value_head=value_head,
+                head_chunk_tokens=head_chunk_tokens,
             )
             out[idx] = fwd.logp.float() * mask
             if values is not None:
@@ -157,13 +160,14 @@ def with_trainer_logprobs(
     base_temperature: float,
     cap: float,
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[Rollouts, dict[str, float]]:
     """``rollouts`` with ``old_logp`` from the trainer and the on-policy rows' temperature set
     to ``base_temperature`` (the loss then sees the policy the trainer optimises, whatever
     temperature each row or token was sampled at; the per-position temperatures are dropped);
     injected rows keep their stored log-probs and temperatures. Also returns the mismatch
     metrics over the sampled tokens. With a ``value_head``, the same forward fills
-    ``old_values``."""
+    ``old_values``; ``head_chunk_tokens`` as in :func:`trainer_forward`."""
     on = _on_policy(rollouts)  # [N]
     base = torch.full_like(rollouts.temperature, base_temperature)
     r = dataclasses.replace(
@@ -171,7 +175,9 @@ def with_trainer_logprobs(
         temperature=torch.where(on, base, rollouts.temperature),
         position_temperature=None,
     )
-    old, values = trainer_forward(model, r, micro_batch_size, value_head)  # [N, T]
+    old, values = trainer_forward(
+        model, r, micro_batch_size, value_head, head_chunk_tokens
+    )  # [N, T]
     sampled = rollouts.completion_mask.float() * on[:, None]  # [N, T]
     if rollouts.offpolicy_mask is not None:
         old = torch.where(rollouts.offpolicy_mask.bool(), rollouts.behaviour_logp.float(), old)

@@ -1,4 +1,10 @@
-"""Token log-probs (and values) of completions under a model, in memory-bounded micro-batches."""
+"""Token log-probs (and values) of completions under a model, in memory-bounded micro-batches.
+
+By default the LM head is bypassed and the log-probs are computed from the final hidden states
+in chunks (``chunked_head.head_logprobs``), so the ``[n, t, V]`` logits never exist at once;
+``head_chunk_tokens=None`` (or a head that cannot be bypassed, see ``fused_head``) keeps the
+model's own head and its full logits.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
 from rlvr_lightning.ops import entropy_from_logits, logprobs_from_logits
+
+# Config fields of models whose logits are not the head's output (Gemma 2/3 soft-capping,
+# Cohere's logit_scale, Granite's logits_scaling): the bypassed head would skip them.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def group_microbatches(groups: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -59,6 +70,64 @@ def lm_head_inputs(model: nn.Module, enabled: bool = True) -> Iterator[list[torc
         yield captured
     finally:
         handle.remove()
+
+
+def fused_head(model: nn.Module) -> nn.Linear | None:
+    """The LM head when ``completion_forward`` may bypass it and compute log-probs chunk by
+    chunk from its input, else None (the model's own head then computes full logits).
+
+    The fused path reads the head's ``weight`` and ``bias`` and redoes ``F.linear``, so it
+    needs exactly an ``nn.Linear``: not a peft layer (an lm_head targeted by LoRA or in
+    ``modules_to_save``), a quantised subclass, a module whose forward was replaced (e.g.
+    accelerate's offloading hooks) or one with forward hooks (they would see hidden states).
+    Models that post-process their logits (``_LOGIT_POSTPROCESSING`` in the config) keep
+    their head too; any other post-processing is caught at the first forward
+    (``_check_bypassed``).
+    """
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or "forward" in vars(head) or head._forward_hooks:
+        return None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    config = config or model.config
+    if any(getattr(config, key, None) is not None for key in _LOGIT_POSTPROCESSING):
+        return None
+    return head
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@contextmanager
+def _head_bypassed(head: nn.Linear | None) -> Iterator[None]:
+    """Within: ``head`` returns its input, so the model's "logits" are its final hidden states.
+
+    An instance attribute shadows the class's ``forward`` (pre-hooks such as
+    ``lm_head_inputs`` still run); a pre-hook alone cannot skip the head's matmul. Nothing is
+    changed when ``head`` is None.
+    """
+    if head is None:
+        yield
+        return
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _check_bypassed(pieces: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+    """Raise unless the model returned the bypassed head's output unchanged (the ``[n, *, H]``
+    hidden states), i.e. it does not post-process its logits."""
+    same = len(pieces) == len(hidden) and all(
+        a is b or (a.shape == b.shape and torch.equal(a.to(b.dtype), b))
+        for a, b in zip(pieces, hidden, strict=False)
+    )
+    if not same:
+        raise RuntimeError(
+            "This model changes its LM head's output before returning logits, so the chunked "
+            "LM head cannot compute its log-probs: set model.init_args.chunked_head: false."
+        )
 
 
 def _shared_prompt_logits(
@@ -135,6 +204,76 @@ def _token_logprobs(
     return logp, entropy
 
 
+def _fused_logprobs(
+    head: nn.Linear,
+    states: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) ``[n, t]`` of ``labels`` from the head's inputs ``states``
+    ``[n, t, H]``, ``chunk_tokens`` tokens at a time (``chunked_head.head_logprobs``)."""
+    n, t = labels.shape
+    logp, entropy = head_logprobs(
+        states.reshape(n * t, -1),
+        head.weight,
+        head.bias,
+        labels.reshape(-1),
+        temperature[:, None].expand(n, t).reshape(-1),
+        chunk_tokens,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )  # [n * t] each
+    return logp.view(n, t), None if entropy is None else entropy.view(n, t)
+
+
+def _model_outputs(
+    model: nn.Module,
+    pids: torch.Tensor,
+    pmask: torch.Tensor,
+    cids: torch.Tensor,
+    cmask: torch.Tensor,
+    hidden: list[torch.Tensor],
+    share_prompts: bool,
+) -> list[torch.Tensor]:
+    """The model's outputs predicting the completion tokens, ``[n, *, V]`` pieces in order
+    (``[n, *, H]`` with the head bypassed): shared prompts or one pass per row."""
+    if share_prompts:
+        return _shared_prompt_logits(model, pids, pmask, cids, cmask, hidden)
+    attn = torch.cat([pmask, cmask[:, :-1]], dim=1)  # [n, p + t - 1]
+    out = model(
+        input_ids=torch.cat([pids, cids[:, :-1]], dim=1),
+        attention_mask=attn,
+        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+        logits_to_keep=cids.shape[1],
+        use_cache=False,
+    )
+    return [out.logits]  # [n, t, V]
+
+
+def _piecewise_logprobs(
+    pieces: list[torch.Tensor],
+    labels: torch.Tensor,
+    temperature: torch.Tensor,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) ``[n, t]`` from the full logits, piece by piece."""
+    results, start = [], 0
+    for logits in pieces:
+        width = logits.shape[1]
+        results.append(
+            _token_logprobs(
+                logits, labels[:, start : start + width], temperature, with_entropy, entropy_grad
+            )
+        )
+        start += width
+    logp = torch.cat([r[0] for r in results], dim=1)  # [n, t]
+    return logp, torch.cat([r[1] for r in results], dim=1) if with_entropy else None
+
+
 class CompletionForward(NamedTuple):
     """What one forward over completions gives: ``[n, T]`` each, 0 on trimmed columns."""
 
@@ -154,6 +293,7 @@ def completion_forward(
     entropy_grad: bool = False,
     share_prompts: bool = True,
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> CompletionForward:
     """Log-probs ``[n, T]`` of the completion tokens at the rows' sampling temperatures, and
     optionally their entropies and the values ``value_head(hidden)`` of the same forward.
@@ -163,46 +303,34 @@ def completion_forward(
     ``_shared_prompt_logits``); otherwise every row runs prompt and completion in one pass.
     Position ids follow the attention mask, as in generation with left padding. The value of
     token ``t`` is read from the hidden state that predicts it (the state before the token).
+    With ``head_chunk_tokens`` the LM head is bypassed (when ``fused_head`` allows) and the
+    log-probs come from its inputs, that many tokens at a time; None: the full logits.
     """
     t_full = completion_ids.shape[1]
     p_start, t_end = _trim(prompt_ids, prompt_mask, completion_mask)
     pids, pmask = prompt_ids[:, p_start:], prompt_mask[:, p_start:]  # [n, p]
     cids, cmask = completion_ids[:, :t_end], completion_mask[:, :t_end]  # [n, t]
-    with lm_head_inputs(model, enabled=value_head is not None) as hidden:
-        if share_prompts:
-            pieces = _shared_prompt_logits(model, pids, pmask, cids, cmask, hidden)  # [n, *, V]
-        else:
-            attn = torch.cat([pmask, cmask[:, :-1]], dim=1)  # [n, p + t - 1]
-            out = model(
-                input_ids=torch.cat([pids, cids[:, :-1]], dim=1),
-                attention_mask=attn,
-                position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                logits_to_keep=t_end,
-                use_cache=False,
-            )
-            pieces = [out.logits]  # [n, t, V]
-    results, start = [], 0
-    for logits in pieces:
-        width = logits.shape[1]
-        results.append(
-            _token_logprobs(
-                logits, cids[:, start : start + width], temperature, with_entropy, entropy_grad
-            )
+    head = None if head_chunk_tokens is None else fused_head(model)
+    capture = value_head is not None or head is not None
+    with lm_head_inputs(model, enabled=capture) as hidden, _head_bypassed(head):
+        pieces = _model_outputs(model, pids, pmask, cids, cmask, hidden, share_prompts)
+    if capture and len(hidden) != len(pieces):
+        raise RuntimeError(
+            f"Expected one LM-head call per logits piece ({len(pieces)}), saw "
+            f"{len(hidden)}: this model does not compute its logits in one head call."
         )
-        start += width
+    states = torch.cat(hidden, dim=1) if capture else None  # [n, t, H]
+    if head is not None:
+        _check_bypassed(pieces, hidden)
+        logp, entropy = _fused_logprobs(
+            head, states, cids, temperature, head_chunk_tokens, with_entropy, entropy_grad
+        )  # [n, t] each
+    else:
+        logp, entropy = _piecewise_logprobs(pieces, cids, temperature, with_entropy, entropy_grad)
     pad = (0, t_full - t_end)
-    logp = nn.functional.pad(torch.cat([r[0] for r in results], dim=1), pad)  # [n, T]
-    entropy = None
-    if with_entropy:
-        entropy = nn.functional.pad(torch.cat([r[1] for r in results], dim=1), pad)  # [n, T]
-    values = None
-    if value_head is not None:
-        if len(hidden) != len(pieces):
-            raise RuntimeError(
-                f"Expected one LM-head call per logits piece ({len(pieces)}), saw "
-                f"{len(hidden)}: this model does not compute its logits in one head call."
-            )
-        values = nn.functional.pad(value_head(torch.cat(hidden, dim=1)), pad)  # [n, T]
+    logp = nn.functional.pad(logp, pad)  # [n, T]
+    entropy = None if entropy is None else nn.functional.pad(entropy, pad)  # [n, T]
+    values = None if value_head is None else nn.functional.pad(value_head(states), pad)  # [n, T]
     return CompletionForward(logp, entropy, values)
 
 
@@ -216,6 +344,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     share_prompts: bool = True,
+    head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log-probs, entropies or None)``, each ``[n, T]``: ``completion_forward`` without
     values."""
@@ -229,5 +358,6 @@ def completion_logprobs(
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         share_prompts=share_prompts,
+        head_chunk_tokens=head_chunk_tokens,
     )
     return out.logp, out.entropy

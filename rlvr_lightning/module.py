@@ -91,6 +91,14 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         epochs_per_rollout: optimisation passes over each rollout batch.
         minibatches_per_rollout: optimiser steps per pass (each over a share of the rows).
         micro_batch_size: rows per forward/backward; bounds memory, not the maths.
+        chunked_head: compute the log-probs from the LM head's input ``head_chunk_tokens``
+            tokens at a time (``chunked_head.head_logprobs``, forward and backward), so the
+            ``[rows, tokens, vocab]`` logits of a micro-batch never exist; the same maths.
+            Models whose head is not a plain ``nn.Linear`` (e.g. LoRA on ``lm_head``) or that
+            post-process logits (soft-capping) keep their own head (``forward.fused_head``).
+            False: the model's full logits, as transformers computes them.
+        head_chunk_tokens: tokens per chunk of the chunked LM head; bounds its working set to
+            about ``3 * head_chunk_tokens * vocab`` fp32 numbers.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: linear warm-up in optimiser steps, then constant.
@@ -166,6 +174,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         epochs_per_rollout: int = 1,
         minibatches_per_rollout: int = 1,
         micro_batch_size: int = 8,
+        chunked_head: bool = True,
+        head_chunk_tokens: int = 1024,
         lr: float = 1e-5,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,

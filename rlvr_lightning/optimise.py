@@ -107,12 +107,18 @@ class UpdateStage(pl.LightningModule):
         base = self.sampling.temperature
         if correction.needs_trainer_logprobs(h.old_logprobs, self.engine.shares_policy, r, base):
             r, stats = correction.with_trainer_logprobs(
-                self.policy, r, h.micro_batch_size, base, h.rollout_correction_cap, self.value_head
+                self.policy,
+                r,
+                h.micro_batch_size,
+                base,
+                h.rollout_correction_cap,
+                self.value_head,
+                self.updater.head_chunk_tokens,
             )
             metrics = {f"mismatch/{k}": v for k, v in stats.items()}
         elif self.value_head is not None:
             _, values = correction.trainer_forward(
-                self.policy, r, h.micro_batch_size, self.value_head
+                self.policy, r, h.micro_batch_size, self.value_head, self.updater.head_chunk_tokens
             )
             r, metrics = dataclasses.replace(r, old_values=values), {}
         else:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS
 from rlvr_lightning.correction import CorrectionLevel, CorrectionMode, correction_weights
 from rlvr_lightning.forward import completion_forward, completion_logprobs, group_microbatches
 from rlvr_lightning.losses import (
@@ -55,6 +56,8 @@ class PolicyUpdate:
     ``min(π_old / π_behaviour, correction_cap)``; ``mask``; ``none``). With a value head
     (``value``), the same forward gives ``V_θ`` and ``head.loss_coef`` times the value loss
     (a token-mean, so each micro-batch weighs by its share of the tokens) joins the objective.
+    ``head_chunk_tokens``: tokens per chunk of the fused LM head in every forward (policy and
+    reference), None for the model's full logits (see ``forward.completion_forward``).
     """
 
     loss_fn: PolicyLossFn
@@ -73,6 +76,7 @@ class PolicyUpdate:
     rollout_correction: CorrectionMode = "tis"
     correction_cap: float = 2.0
     correction_level: CorrectionLevel = "token"
+    head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
 
     def accumulate(
         self,
@@ -133,6 +137,14 @@ class PolicyUpdate:
             metrics["value_loss"] = reduce(value_share) if mean_tokens > 0 else 0.0
         return loss_total, metrics
 
+    def _logprobs_of(self, inputs: tuple) -> Callable[[nn.Module], torch.Tensor]:
+        """``model -> [m, T]`` log-probs of ``inputs``' completions, as the update computes them."""
+
+        def logprobs(model: nn.Module) -> torch.Tensor:
+            return completion_logprobs(model, *inputs, head_chunk_tokens=self.head_chunk_tokens)[0]
+
+        return logprobs
+
     def _micro_loss(self, model, rollouts, advantages, idx, mask, reference_logprobs, value):
         inputs = (
             rollouts.prompt_ids[idx],
@@ -147,6 +159,7 @@ class PolicyUpdate:
             with_entropy=True,
             entropy_grad=self.entropy_coef > 0,
             value_head=None if value is None else value.head,
+            head_chunk_tokens=self.head_chunk_tokens,
         )  # [m, T] each (values: None without a value head)
         old_logp = rollouts.behaviour_logp[idx]  # [m, T]
         weights = None
@@ -186,7 +199,7 @@ class PolicyUpdate:
         metrics["policy_loss"] = float(loss.detach())
         metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
         if self.kl_coef > 0:
-            ref = reference_logprobs(lambda m: completion_logprobs(m, *inputs)[0])  # [m, T]
+            ref = reference_logprobs(self._logprobs_of(inputs))  # [m, T]
             kl = agg_loss(
                 kl_estimate(logp, ref, self.kl_estimator),
                 mask,

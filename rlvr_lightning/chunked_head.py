@@ -1,0 +1,183 @@
+"""Log-probs (and entropies) of labels under a linear LM head, never holding the full logits.
+
+``head_logprobs(h, W, b, y, T)`` is ``log_softmax((h W^T + b) / T)[y]`` for ``M`` tokens, with
+only one ``[chunk, V]`` block of logits alive at a time, in forward and in backward (which
+recomputes each block from ``h`` instead of saving it). Plain autograd on the model's logits
+keeps the whole ``[M, V]`` block and its fp32 copy for backward; with V = 49152 that is most of
+an update's memory.
+
+Gradients, with ``s = z / T`` the scaled logits of one row, ``p = softmax(s)``, ``H`` its
+entropy and ``g_l``, ``g_e`` the incoming gradients of the log-prob and the entropy:
+
+    d logp / d s = onehot(y) - p
+    d H / d s    = -p * (s - E_p[s]) = -p * (log p + H)
+    d L / d z    = (g_l * (onehot(y) - p) - g_e * p * (log p + H)) / T
+
+then ``dh = dz W``, ``dW = dz^T h``, ``db = sum_rows dz``. Everything is computed from
+``log p = s - logsumexp(s)``, as ``log_softmax`` would: ``s - E_p[s]`` or ``logsumexp(s) - E_p[s]``
+lose digits to cancellation when the logits are large. The temperature is data and gets no
+gradient. Precision follows ``nn.Linear`` under autocast: the matmul runs in the autocast dtype
+(``W`` cast once per call), the softmax reductions in fp32 (fp64 for fp64 inputs, so
+``gradcheck`` can check the formulas).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def head_compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's for ``hidden``'s device when it is on
+    (as ``nn.Linear`` would), else the promotion of ``hidden`` and ``weight``."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: torch.Tensor,
+    reduce_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[m, V]`` logits / temperature in ``reduce_dtype``; a fresh tensor (safe to overwrite).
+    The matmul runs in ``weight``'s dtype; dividing by 1.0 is exact, so no special case."""
+    logits = F.linear(hidden.to(weight.dtype), weight, bias)  # [m, V]
+    return logits.to(reduce_dtype).div_(temperature[:, None])
+
+
+def _score_grad(
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    logz: torch.Tensor,
+    entropy: torch.Tensor | None,
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+) -> torch.Tensor:
+    """``[m, V]`` gradient w.r.t. the scaled logits ``scores`` (overwritten): ``g_l * (onehot -
+    p) - g_e * p * (log p + H)``, in place, so two ``[m, V]`` buffers suffice. ``entropy`` is
+    read only with ``g_ent``; at least one of ``g_logp``, ``g_ent`` is given."""
+    log_probs = scores.sub_(logz[:, None])  # [m, V]
+    probs = log_probs.exp()  # [m, V]
+    if g_ent is None:
+        grad = probs.mul_(-g_logp[:, None])  # [m, V]
+    else:
+        coef = log_probs.add_(entropy[:, None]).mul_(g_ent[:, None])  # [m, V] g_e (log p + H)
+        if g_logp is not None:
+            coef.add_(g_logp[:, None])
+        grad = probs.mul_(coef).neg_()  # [m, V]
+    if g_logp is not None:
+        grad.scatter_add_(-1, labels[:, None], g_logp[:, None])
+    return grad
+
+
+def _row_chunks(rows: int, chunk: int) -> list[slice]:
+    return [slice(i, min(i + chunk, rows)) for i in range(0, rows, chunk)]
+
+
+def _pick(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if x is None else x[rows]
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """Chunked ``(log-prob, entropy)`` of a linear head; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, labels, temperature, chunk, with_entropy, entropy_grad, dtype
+    ):
+        reduce_dtype = torch.promote_types(dtype, torch.float32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # [V, H], cast once for every chunk (and the backward)
+            b = None if bias is None else bias.to(dtype)  # [V]
+            temp = temperature.to(reduce_dtype)  # [M]
+            logp, logz, ent = [], [], []
+            for rows in _row_chunks(hidden.shape[0], chunk):
+                s = _scores(hidden[rows], w, b, temp[rows], reduce_dtype)  # [m, V]
+                z = torch.logsumexp(s, dim=-1)  # [m]
+                log_probs = s.sub_(z[:, None])  # [m, V]
+                logp.append(log_probs.gather(-1, labels[rows, None]).squeeze(-1))
+                logz.append(z)
+                if with_entropy:
+                    ent.append(-log_probs.exp().mul_(log_probs).sum(-1))
+        logp, logz = torch.cat(logp), torch.cat(logz)  # [M], [M]
+        entropy = torch.cat(ent) if with_entropy else logp.new_empty(0)  # [M] or [0]
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.chunk, ctx.dtypes = chunk, (weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(hidden, w, b, labels, temp, logz, entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, w, b, labels, temp, logz, entropy = ctx.saved_tensors
+        g_ent = g_ent if ctx.entropy_grad else None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
+            return (None,) * 9
+        entropy = entropy if g_ent is not None else None
+        grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
+        grad_w = w.new_zeros(w.shape, dtype=temp.dtype) if need_w else None  # [V, H]
+        grad_b = w.new_zeros(w.shape[0], dtype=temp.dtype) if need_b else None  # [V]
+        with torch.autocast(hidden.device.type, enabled=False):
+            for rows in _row_chunks(hidden.shape[0], ctx.chunk):
+                h = hidden[rows].to(w.dtype)  # [m, H]
+                s = _scores(h, w, b, temp[rows], temp.dtype)  # [m, V]
+                dz = _score_grad(
+                    s,
+                    labels[rows],
+                    logz[rows],
+                    _pick(entropy, rows),
+                    _pick(g_logp, rows),
+                    _pick(g_ent, rows),
+                ).div_(temp[rows, None])  # [m, V]
+                if need_b:
+                    grad_b += dz.sum(0)
+                dz = dz.to(w.dtype)  # the matmuls in the forward's dtype, as under autocast
+                if need_h:
+                    grad_h[rows] = (dz @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w += dz.T @ h  # accumulated in fp32 over the chunks
+        grad_w = None if grad_w is None else grad_w.to(ctx.dtypes[0])
+        grad_b = None if grad_b is None else grad_b.to(ctx.dtypes[1])
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: torch.Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[M]`` of ``labels`` under ``softmax((hidden @ weight.T + bias) /
+    temperature)``, and their entropies ``[M]`` when ``with_entropy`` (else None), in chunks of
+    ``chunk_tokens`` rows; fp32 (fp64 for fp64 inputs).
+
+    Gradients reach ``hidden``, ``weight`` and ``bias`` (a tied input embedding accumulates
+    both uses, as autograd does). The entropy is differentiable only with ``entropy_grad``
+    (an entropy bonus in the loss); otherwise its backward term is never computed.
+
+    Args:
+        hidden: ``[M, H]`` the head's input (final hidden states).
+        weight: ``[V, H]`` the head's weight.
+        bias: ``[V]`` or None.
+        labels: ``[M]`` integer token ids.
+        temperature: ``[M]`` per-token sampling temperature (> 0).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    dtype = head_compute_dtype(hidden, weight)
+    args = (labels.long(), temperature, chunk_tokens, with_entropy, entropy_grad, dtype)
+    logp, entropy = _HeadLogProbs.apply(hidden, weight, bias, *args)
+    return logp, entropy if with_entropy else None
