@@ -85,3 +85,24 @@ def quiet_trainer(**overrides: object) -> pl.Trainer:
         "num_sanity_val_steps": 0,
     }
     return pl.Trainer(**{**kwargs, **overrides})
+
+
+def ppo_update(**overrides):
+    """A ``PolicyUpdate`` with PPO clip loss, clip 0.2, seq-mean-token-mean over 8 tokens, no KL
+    and no entropy bonus, micro-batches of 4; ``overrides`` replace any field."""
+    from rlvr_lightning.losses import ppo_clip_loss
+    from rlvr_lightning.update import PolicyUpdate
+
+    fields = dict(
+        loss_fn=ppo_clip_loss,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=None,
+        agg_mode="seq-mean-token-mean",
+        norm_len=8,
+        kl_coef=0.0,
+        kl_estimator="k3",
+        entropy_coef=0.0,
+        micro_batch_size=4,
+    )
+    return PolicyUpdate(**{**fields, **overrides})

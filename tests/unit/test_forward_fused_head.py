@@ -12,10 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rlvr_lightning import models
 from rlvr_lightning.forward import completion_forward, fused_head
 from rlvr_lightning.heads import ValueHead
-from rlvr_lightning.losses import ppo_clip_loss
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.rollout.hf import HFEngine
-from rlvr_lightning.testing import tiny_policy
+from rlvr_lightning.testing import ppo_update, tiny_policy
 from rlvr_lightning.types import Sampling
 from rlvr_lightning.update import PolicyUpdate
 
@@ -116,19 +115,7 @@ def test_no_logits_block_over_a_chunk_exists_in_forward_or_backward(chunk: int |
 
 
 def _update(chunk: int | None) -> PolicyUpdate:
-    return PolicyUpdate(
-        loss_fn=ppo_clip_loss,
-        clip_low=0.2,
-        clip_high=0.2,
-        dual_clip=None,
-        agg_mode="seq-mean-token-mean",
-        norm_len=8,
-        kl_coef=0.1,
-        kl_estimator="k3",
-        entropy_coef=0.01,
-        micro_batch_size=4,
-        head_chunk_tokens=chunk,
-    )
+    return ppo_update(kl_coef=0.1, entropy_coef=0.01, head_chunk_tokens=chunk)
 
 
 def test_update_gradient_is_the_same_with_and_without_the_chunked_head() -> None:

@@ -12,9 +12,8 @@ from rlvr_lightning.correction import trainer_forward
 from rlvr_lightning.forward import completion_forward
 from rlvr_lightning.heads import ValueBatch, ValueHead
 from rlvr_lightning.lifecycle import plain_hparam
-from rlvr_lightning.losses import ppo_clip_loss
 from rlvr_lightning.rollout.hf import HFEngine
-from rlvr_lightning.testing import tiny_policy
+from rlvr_lightning.testing import ppo_update, tiny_policy
 from rlvr_lightning.types import Sampling
 from rlvr_lightning.update import PolicyUpdate
 
@@ -91,18 +90,7 @@ def test_fused_pass_gives_old_logprobs_and_values_of_the_update_forward() -> Non
 
 
 def _update(micro: int) -> PolicyUpdate:
-    return PolicyUpdate(
-        loss_fn=ppo_clip_loss,
-        clip_low=0.2,
-        clip_high=0.2,
-        dual_clip=None,
-        agg_mode="seq-mean-token-mean",
-        norm_len=8,
-        kl_coef=0.0,
-        kl_estimator="k3",
-        entropy_coef=0.0,
-        micro_batch_size=micro,
-    )
+    return ppo_update(micro_batch_size=micro)
 
 
 def _value_step(model, r, head, micro: int):
