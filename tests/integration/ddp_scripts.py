@@ -6,13 +6,15 @@ each rank writes ``OUT.<rank>.json``.
 ``PolicyUpdate.accumulate`` under a real ``DistributedDataParallel`` wrapper the way Lightning's
 manual optimisation does (backward inside the DDP forward, ``prepare_for_backward`` before each
 backward) and compares its gradients with one process on the union batch; rank 0 writes
-``OUT``.
+``OUT``. Both ranks end with ``os._exit`` after a barrier (see the end of ``grads``).
 """
 
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
+import os
 import sys
 
 import torch
@@ -204,10 +206,17 @@ def grads(rank: int, init: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
+    # Both ranks are past every collective; then leave without tearing down. Freeing the DDP
+    # reducer and the gloo group after the peer has gone hung a rank in C++ destructors (no
+    # Python frame) on a loaded machine, about 1 run in 3.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
+    # Before the test's deadline, print every thread's stack and exit: a hang names its line.
+    faulthandler.dump_traceback_later(float(os.environ.get("RLVR_DDP_DUMP_S", "240")), exit=True)
     if sys.argv[1] == "fit":
         fit(sys.argv[2])
     else:

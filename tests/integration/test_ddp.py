@@ -16,26 +16,34 @@ TIMEOUT_S = 300  # two CPU processes import torch and Lightning in ~30 s on a lo
 
 
 def _run_all(commands: list[list[str]], cwd: Path) -> None:
-    """Run ``commands`` concurrently in their own process groups; kill every group (and the
-    ranks Lightning launched inside it) at the deadline and fail."""
-    procs = [
-        subprocess.Popen(
-            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        for cmd in commands
-    ]
+    """Run ``commands`` concurrently in their own process groups, each writing to its own log
+    file (a full pipe would block a rank inside a collective); kill every group (and the ranks
+    Lightning launched inside it) at the deadline and fail with every process's log."""
+    logs = [cwd / f"process{i}.log" for i in range(len(commands))]
+    procs = []
+    for cmd, log in zip(commands, logs, strict=True):
+        with log.open("wb") as f:
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
     deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-            assert proc.returncode == 0, out.decode()[-3000:]
-    except subprocess.TimeoutExpired as err:
-        raise AssertionError(f"no result in {TIMEOUT_S} s: the ranks deadlocked") from err
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # SIGTERM is handled by Lightning
-                proc.wait()
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # SIGTERM is handled by Lightning
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    report = "\n".join(
+        f"--- process {i} (rc {p.returncode}) ---\n{log.read_text(errors='replace')[-3000:]}"
+        for i, (p, log) in enumerate(zip(procs, logs, strict=True))
+    )
+    assert not hung, f"processes {hung} gave no result in {TIMEOUT_S} s\n{report}"
+    assert all(p.returncode == 0 for p in procs), report
 
 
 def test_ddp_fit_with_one_rank_fully_filtered_finishes(tmp_path):
