@@ -112,14 +112,20 @@ class VLLMEngine:
 
     # ---- weights --------------------------------------------------------------------------
 
-    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the policy's weights (Hugging Face names) into the engine's model in place."""
+        """Copy the policy's weights (Hugging Face names) into the engine's model in place.
+
+        Tensors are cast to the engine's dtype, and the copy runs under ``torch.inference_mode``:
+        an engine first built during validation (Lightning runs it in inference mode, e.g. with
+        ``evaluate_before_after``) holds inference tensors, which refuse in-place copies outside
+        it."""
         self.wake_up()
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": ((n, t.detach()) for n, t in named_tensors)},
-        )
+        dtype = self.llm.llm_engine.model_config.dtype
+        with torch.inference_mode():
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": ((n, t.detach().to(dtype)) for n, t in named_tensors)},
+            )
         self.llm.reset_prefix_cache()
 
     # ---- generation -----------------------------------------------------------------------

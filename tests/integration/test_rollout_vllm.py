@@ -160,6 +160,24 @@ def test_sleep_and_wake_keep_generation_working(engine):
     assert engine.asleep == engine.sleep_enabled  # back to sleep after generating
 
 
+def test_engine_built_in_inference_mode_still_syncs(folder):
+    """The quickstart builds its engine during the validation before training (inference mode):
+    its parameters are inference tensors, and the first weight sync used to fail on them.
+    (After the tests on the shared ``engine``: a second in-process engine resets vLLM's
+    global state when it goes.)"""
+    model, tokenizer = _tiny()
+    with torch.inference_mode():
+        built = VLLMEngine(str(folder), tokenizer, dtype="float32", kv_cache_gb=KV_GB)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    _sync(built, model)
+    ids, mask = _prompts(tokenizer)
+    r = built.generate(ids, mask, Sampling(max_new_tokens=6, temperature=1.0))
+    diff = ((_policy_logp(model, r) - r.behaviour_logp) * r.completion_mask).abs().max()
+    assert diff < 1e-3  # the halved weights were loaded
+
+
 def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):
     module = RLVRModule(
         str(folder),
@@ -208,6 +226,7 @@ def test_bf16_mixed_fit_takes_pi_old_from_the_trainer(folder):
     module.updater = dataclasses.replace(module.updater, loss_fn=spy)
     data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
     trainer = quiet_trainer(max_steps=2, precision="bf16-mixed")
+    trainer.validate(module, datamodule=data)  # the engine is built here, in inference mode
     trainer.fit(module, datamodule=data)
     assert module.engine.llm.llm_engine.model_config.dtype == torch.bfloat16
     assert max(seen) < 0.05  # first micro-batch of each step: π_old == the trainer's log-prob
