@@ -45,9 +45,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from rlvr_lightning import lookahead, models, npo, ranks
+from rlvr_lightning import correction, lookahead, models, npo, ranks
 from rlvr_lightning.data.stream import rng_state, set_rng_state
-from rlvr_lightning.forward import completion_logprobs
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.offpolicy import (
@@ -402,23 +401,13 @@ class NearFuturePolicyGuidance(RLVRCallback):
     @staticmethod
     def _policy_logp(module: RLVRModule, rollouts: Rollouts) -> torch.Tensor:
         """``[n, T]`` the current policy's log-probs of ``rollouts``' tokens, at the rows'
-        temperatures, in micro-batches."""
-        out = torch.zeros_like(rollouts.behaviour_logp, dtype=torch.float32)
-        m = module.hparams.micro_batch_size
-        with torch.no_grad():
-            for start in range(0, rollouts.num_rows, m):
-                sl = slice(start, start + m)
-                logp, _ = completion_logprobs(
-                    module.policy,
-                    rollouts.prompt_ids[sl],
-                    rollouts.prompt_mask[sl],
-                    rollouts.completion_ids[sl],
-                    rollouts.completion_mask[sl],
-                    rollouts.temperature[sl],
-                    head_chunk_tokens=module.updater.head_chunk_tokens,
-                )
-                out[sl] = logp.float() * rollouts.completion_mask[sl]
-        return out
+        temperatures, as the update computes them (0 on padding)."""
+        return correction.trainer_forward(
+            module.policy,
+            rollouts,
+            module.hparams.micro_batch_size,
+            head_chunk_tokens=module.updater.head_chunk_tokens,
+        )[0]
 
     # ---- the step ----------------------------------------------------------------------------
 
