@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from rlvr_lightning import correction, lookahead, models, npo, ranks
 from rlvr_lightning.data.stream import rng_state, set_rng_state
+from rlvr_lightning.guide import load_guide
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.offpolicy import (
@@ -64,21 +65,6 @@ from rlvr_lightning.types import PromptBatch, Rollouts, Scored, StepOutput
 
 SOURCE = "npo"
 Mode = Literal["manual", "lookahead", "auto"]
-
-
-def load_guide_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The policy's weights in a Lightning checkpoint of ``RLVRModule``, keyed as the policy's
-    own ``state_dict`` (loaded with ``weights_only=True``)."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    state = checkpoint.get("state_dict", {})
-    weights = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
-    if not weights:
-        raise ValueError(
-            f"{path} holds no policy weights (no 'state_dict' with 'policy.' keys): give "
-            "guide_checkpoint a checkpoint written by rlvr-lightning fit, or an exported model "
-            "folder."
-        )
-    return weights
 
 
 class NearFuturePolicyGuidance(RLVRCallback):
@@ -351,22 +337,11 @@ class NearFuturePolicyGuidance(RLVRCallback):
     # ---- the guide -------------------------------------------------------------------------
 
     def _load_manual_guide(self, module: RLVRModule) -> None:
-        if self._guide is not None:
-            return
-        path = Path(str(self.guide_checkpoint)).expanduser()
-        if path.is_dir():
-            guide, tokenizer = models.load_policy(str(path), module.hparams.dtype)
-            if tokenizer.get_vocab() != module.tokenizer.get_vocab():
-                raise ValueError(
-                    f"The guide at {path} has another tokenizer than the policy: NPO's guide is "
-                    "a checkpoint of the same model. For another model use MixedPolicyGuidance "
-                    "with source: teacher and teacher_model."
-                )
-            self._set_guide(guide.eval().requires_grad_(False), module)
-            return
-        guide = models.frozen_copy(module.policy)
-        guide.load_state_dict(load_guide_weights(path))
-        self._set_guide(guide, module)
+        if self._guide is None:
+            guide = load_guide(
+                self.guide_checkpoint, module.policy, module.tokenizer, module.hparams.dtype
+            )
+            self._set_guide(guide, module)
 
     def _build_guide(self, module: RLVRModule) -> None:
         """The guide model: a frozen copy of the policy carrying ``guide_weights``."""
