@@ -203,7 +203,9 @@ def silence_library_noise() -> None:
     the FutureWarning Lightning's ``CombinedLoader`` triggers in torch >= 2.13's pytree
     (``isinstance(treespec, LeafSpec)``), and ModelCheckpoint's 20-line example about saving
     pre-optimisation state under manual optimisation (this module checkpoints at step
-    boundaries, after the optimiser step, on purpose). Idempotent."""
+    boundaries, after the optimiser step, on purpose), and the model summary's note that it
+    cannot size parameters under ``bf16-mixed`` (they are fp32 master weights; the size it
+    prints is right). Idempotent."""
     tip_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if _drop_tip not in tip_logger.filters:
         tip_logger.addFilter(_drop_tip)
@@ -215,6 +217,7 @@ def silence_library_noise() -> None:
     warnings.filterwarnings(
         "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps"
     )
+    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary")
 
 
 def main(args: list[str] | None = None) -> None:

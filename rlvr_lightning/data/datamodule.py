@@ -22,6 +22,7 @@ from typing_extensions import override
 from rlvr_lightning.data.curriculum import VarianceCurriculum
 from rlvr_lightning.data.mixture import (
     AnswerFormat,
+    SourceName,
     SourceSpec,
     apply_answer_format,
     check_load_options,
@@ -117,9 +118,9 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        source: str | list[SourceSpec] = "addition",
+        source: list[SourceSpec] | SourceName = "addition",
         task_config: dict[str, Any] | None = None,
-        val_source: str | None = None,
+        val_source: SourceName | None = None,
         train_size: int = 1000,
         val_size: int = 50,
         columns: dict[str, str] | None = None,
@@ -129,7 +130,7 @@ class RLVRDataModule(pl.LightningDataModule):
         instruction: str | None = "Put the final answer in \\boxed{}.",
         prompts_per_step: int = 8,
         val_prompts_per_batch: int = 64,
-        test_source: str | list[SourceSpec] | None = None,
+        test_source: list[SourceSpec] | SourceName | None = None,
         test_split: str = "test",
         predict_on: Literal["val", "test"] = "val",
         replay: PromptReplay | None = None,

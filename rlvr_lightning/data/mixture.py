@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jsonargparse.typing import restricted_string_type
+
 from rlvr_lightning.data.library import LoadOptions, has_splits
 from rlvr_lightning.data.sources import (
     Example,
@@ -23,6 +25,12 @@ from rlvr_lightning.data.tasks import is_task_source, task_examples, validate_ta
 from rlvr_lightning.rewards.math import extract_boxed, normalize_gold
 
 AnswerFormat = Literal["plain", "gsm8k", "boxed"]
+
+# A source given as one string (a task, a file, a folder, a Hub id). jsonargparse reads a string
+# that names an existing file as a config when the type also allows a list, and a CSV's text
+# then parses as a plain string; a source name has no line break, so the file's text is refused
+# and the name kept. Annotations list ``list[SourceSpec]`` first for the same reason.
+SourceName = restricted_string_type("SourceName", r"\A[^\n]*\Z")
 
 
 @dataclass

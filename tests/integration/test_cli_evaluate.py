@@ -74,3 +74,20 @@ def test_an_unreachable_hub_dataset_says_offline_and_the_local_alternative(
     err = err[err.index("rlvr-lightning") :]
     assert "no-such-org/no-such-set" in err and "HF_DATASETS_OFFLINE" in err
     assert len(err.splitlines()) < 8 and "Traceback" not in err
+
+
+def test_a_csv_named_on_the_command_line_is_read_as_data(tmp_path, monkeypatch):
+    # jsonargparse once read `source=sums.csv` as a config and passed the file's text on.
+    monkeypatch.chdir(tmp_path)
+    rows = "".join(f"What is {a} + 3?,{a + 3}\n" for a in range(12))
+    (tmp_path / "sums.csv").write_text("prompt,answer\n" + rows)
+    (tmp_path / "val.csv").write_text("prompt,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
+    cli = build_cli(
+        ["--config", CONFIG, "--data.init_args.source=sums.csv",
+         "--data.init_args.val_source=val.csv", f"--trainer.default_root_dir={tmp_path}"],
+        run=False,
+    )  # fmt: skip
+    assert cli.datamodule.hparams.source == "sums.csv"
+    cli.datamodule.setup("fit")
+    assert len(cli.datamodule.train_examples) == 12
+    assert [e.columns["answer"] for e in cli.datamodule.val_examples] == [2, 4]  # as typed

@@ -172,5 +172,9 @@ def test_modelcheckpoints_manual_optimisation_example_is_muted_and_other_warning
             "Using ModelCheckpoint with manual optimization and every_n_train_steps, but no "
             "pre-optimization state was saved. The checkpoint will contain the model state ..."
         )
+        rank_zero_warn(
+            "Precision bf16-mixed is not supported by the model summary.  Estimated model size "
+            "in MB will not be accurate. Using 32 bits instead."
+        )
         warnings.warn("a warning the user should see", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["a warning the user should see"]
