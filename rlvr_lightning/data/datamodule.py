@@ -10,6 +10,7 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import copy
+import os
 import random
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -118,9 +119,9 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        source: list[SourceSpec] | SourceName = "addition",
+        source: list[SourceSpec] | SourceName | os.PathLike = "addition",
         task_config: dict[str, Any] | None = None,
-        val_source: SourceName | None = None,
+        val_source: SourceName | os.PathLike | None = None,
         train_size: int = 1000,
         val_size: int = 50,
         columns: dict[str, str] | None = None,
@@ -130,7 +131,7 @@ class RLVRDataModule(pl.LightningDataModule):
         instruction: str | None = "Put the final answer in \\boxed{}.",
         prompts_per_step: int = 8,
         val_prompts_per_batch: int = 64,
-        test_source: list[SourceSpec] | SourceName | None = None,
+        test_source: list[SourceSpec] | SourceName | os.PathLike | None = None,
         test_split: str = "test",
         predict_on: Literal["val", "test"] = "val",
         replay: PromptReplay | None = None,
@@ -146,6 +147,7 @@ class RLVRDataModule(pl.LightningDataModule):
         )
         if val_size < 0:
             raise ValueError(f"val_size must be >= 0, got {val_size}.")
+        source, val_source, test_source = map(_path_as_str, (source, val_source, test_source))
         self.specs = source_specs(source, task_config, columns, answer_format)
         for spec in self.specs:
             validate_source(spec.source, spec.task_config, val_source, spec.columns)
@@ -450,3 +452,8 @@ class RLVRDataModule(pl.LightningDataModule):
                 f"has {len(self.train_examples)}: source or its settings changed. Restore them "
                 "to resume the same prompt sequence, or start a new run."
             )
+
+
+def _path_as_str(value: object) -> object:
+    """A path-like source (``pathlib.Path``) as its string; anything else unchanged."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value

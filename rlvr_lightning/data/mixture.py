@@ -26,11 +26,11 @@ from rlvr_lightning.rewards.math import extract_boxed, normalize_gold
 
 AnswerFormat = Literal["plain", "gsm8k", "boxed"]
 
-# A source given as one string (a task, a file, a folder, a Hub id). jsonargparse reads a string
-# that names an existing file as a config when the type also allows a list, and a CSV's text
-# then parses as a plain string; a source name has no line break, so the file's text is refused
-# and the name kept. Annotations list ``list[SourceSpec]`` first for the same reason.
-SourceName = restricted_string_type("SourceName", r"\A[^\n]*\Z")
+# A source given as one string (a task, a file, a folder, a Hub id). jsonargparse loads a string
+# that names an existing file as the value itself when the type allows a list (an empty file
+# became `source: []`, a CSV's text a string); a path-like member in the union turns that off
+# for the argument (`is_pathlike`), and a name without line breaks keeps file text out.
+SourceName = restricted_string_type("SourceName", r"\A[^\n]+\Z")
 
 
 @dataclass

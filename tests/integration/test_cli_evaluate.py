@@ -91,3 +91,24 @@ def test_a_csv_named_on_the_command_line_is_read_as_data(tmp_path, monkeypatch):
     cli.datamodule.setup("fit")
     assert len(cli.datamodule.train_examples) == 12
     assert [e.columns["answer"] for e in cli.datamodule.val_examples] == [2, 4]  # as typed
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_an_empty_jsonl_says_it_holds_no_rows(how, capsys, tmp_path, monkeypatch):
+    # jsonargparse once loaded an existing (empty) file as a list of lines: `source: []`.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "run.yaml").write_text("data:\n  init_args:\n    source: empty.jsonl\n")
+    given = ["--data.init_args.source=empty.jsonl"] if how == "flag" else ["--config", "run.yaml"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", CONFIG, *given])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "empty.jsonl: holds no rows" in err and "list of sources" not in err
+
+
+def test_a_path_object_is_a_source(tmp_path):
+    from rlvr_lightning.data import RLVRDataModule
+
+    data = RLVRDataModule(source=tmp_path / "train.jsonl", val_size=0, prompts_per_step=1)
+    assert data.hparams.source == str(tmp_path / "train.jsonl")
