@@ -113,3 +113,23 @@ def test_probe_without_a_head_and_a_head_without_probe_are_setup_errors():
         build_cli(
             ["--config", CONFIG, "--model.init_args.estimator=probe", HEAD, gae_head], run=False
         )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_poise_probe_config_runs_with_a_tiny_model(tmp_path):
+    config = Path(__file__).parents[2] / "configs" / "poise_probe.yaml"
+    cli = build_cli(
+        [
+            "fit", "--config", str(config), "--evaluate_before_after=false",
+            "--model.init_args.policy=tiny:0", "--model.init_args.engine=hf",
+            "--model.init_args.sampling={max_new_tokens: 6, temperature: 1.0, group_size: 2}",
+            "--trainer.precision=32-true", "--trainer.max_steps=2",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
+            "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false",
+            "--data.init_args.val_size=4", "--data.init_args.prompts_per_step=4",
+        ]
+    )  # fmt: skip
+    head = cli.model.probe_head
+    assert cli.model.estimator == "probe" and cli.model.sampling.group_size == 2
+    assert int(head.steps_observed) == 2 and head.fitted  # warm-up 2: fitted after step 2
+    assert head.reward_range == (0.0, 1.5)
