@@ -1,4 +1,5 @@
-"""Advantage estimators: outcome estimators over groups, and per-token GAE with a critic.
+"""Advantage estimators: outcome estimators over groups, per-token GAE with a critic, and
+POISE's baseline from the siblings' probe predictions.
 
 Rewards arrive as ``[N]`` with ``N = B * G`` and each group's ``G`` rows consecutive (see
 :mod:`rlvr_lightning.types`). The group estimators return ``[N]``, one advantage per
@@ -15,7 +16,7 @@ import torch
 
 from rlvr_lightning.ops import masked_whiten
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "gae"]
+Estimator = Literal["grpo", "dr_grpo", "rloo", "gae", "probe"]
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -81,6 +82,32 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (grouped - others_mean).view(-1)
 
 
+def sibling_mean(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[N]`` mean of the *other* rows of each row's group: ``(Σ_{j≠i} x_j) / (G - 1)``.
+
+    With ``x`` the rewards it is POISE's probe target (``other_rollout_correctness``); with
+    ``x`` the probe's predictions it is the baseline ``b_i``, which never sees row ``i``'s own
+    state, so the advantage stays unbiased.
+    """
+    if group_size < 2 or x.dim() != 1 or x.numel() % group_size:
+        raise ValueError(
+            f"sibling_mean needs [N] values in groups of group_size >= 2; got shape "
+            f"{tuple(x.shape)} with group_size={group_size}."
+        )
+    grouped = x.float().reshape(-1, group_size)  # [B, G]
+    return ((grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)).reshape(-1)
+
+
+def poise_advantages(
+    rewards: torch.Tensor, predictions: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``[N]`` POISE advantages ``A_i = r_i - b_i`` (spec §7.1), ``b_i`` the mean of the
+    siblings' probe predictions (:func:`sibling_mean`); for ``G = 2``: ``A_1 = r_1 - g(z_2)``.
+    Not divided by a std (POISE: ``norm_adv_by_std_in_grpo=False``). With the rewards as
+    ``predictions`` this is :func:`rloo_advantages`."""
+    return rewards.float() - sibling_mean(predictions, group_size)
+
+
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[N, T]`` token rewards: each row's scalar reward at its last valid token, 0 elsewhere.
 
@@ -144,6 +171,7 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    predictions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The advantage estimator named ``estimator``, applied to ``[N]`` rewards.
 
@@ -151,7 +179,8 @@ def compute_advantages(
     group advantage), ``"dr_grpo"`` (group advantage without std) and ``"rloo"`` return ``[N]``;
     ``"gae"`` (:func:`gae` with ``values``, ``mask``, ``gamma``, ``lam``) returns ``[N, T]``,
     whitened over the batch's valid tokens (``ops.masked_whiten``, as verl) unless ``whiten``
-    is False.
+    is False. ``"probe"`` (:func:`poise_advantages` with ``predictions``, ``[N]`` probe outputs)
+    returns ``[N]``.
     """
     match estimator:
         case "grpo":
@@ -168,8 +197,16 @@ def compute_advantages(
                 )
             advantages, _ = gae(rewards, values, mask, gamma, lam)  # [N, T]
             return masked_whiten(advantages, mask) if whiten else advantages
+        case "probe":
+            if predictions is None:
+                raise ValueError(
+                    "estimator 'probe' needs the probe's [N] predictions; the module computes "
+                    "them with a probe head (model.init_args.probe_head)."
+                )
+            return poise_advantages(rewards, predictions, group_size)
     raise ValueError(
-        f"Unknown advantage estimator {estimator!r}; use 'grpo', 'dr_grpo', 'rloo' or 'gae'."
+        f"Unknown advantage estimator {estimator!r}; use 'grpo', 'dr_grpo', 'rloo', 'gae' or "
+        "'probe'."
     )
 
 

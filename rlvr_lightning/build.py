@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlvr_lightning import models
-from rlvr_lightning.heads import ValueHead
+from rlvr_lightning.heads import ProbeHead, ValueHead
 from rlvr_lightning.presets import Preset
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
 from rlvr_lightning.rewards.combine import NanPolicy
@@ -37,6 +37,7 @@ def validate_options(h: Mapping[str, Any], estimator: str) -> None:
     if h["offpolicy_baseline"] == "on_policy" and estimator not in ("grpo", "dr_grpo"):
         raise ValueError("offpolicy_baseline: on_policy needs estimator grpo or dr_grpo.")
     check_value_head(estimator, h["value_head"] is not None)
+    check_probe_head(estimator, h["probe_head"] is not None)
 
 
 def check_value_head(estimator: str, has_value_head: bool) -> None:
@@ -53,6 +54,35 @@ def check_value_head(estimator: str, has_value_head: bool) -> None:
             "(the head would train for nothing): set model.init_args.estimator: gae, or remove "
             "value_head."
         )
+
+
+def check_probe_head(estimator: str, has_probe_head: bool) -> None:
+    """A probe head exactly when the estimator uses one (``probe``); else say which to change."""
+    if estimator == "probe" and not has_probe_head:
+        raise ValueError(
+            "estimator: probe needs POISE's probe: set model.init_args.probe_head "
+            "(class_path: rlvr_lightning.heads.ProbeHead), or choose another estimator "
+            "(grpo, dr_grpo, rloo)."
+        )
+    if estimator != "probe" and has_probe_head:
+        raise ValueError(
+            f"model.init_args.probe_head is set but estimator {estimator!r} never reads its "
+            "predictions (it would fit for nothing): set model.init_args.estimator: probe, or "
+            "remove probe_head."
+        )
+
+
+def probe_head(factory: Callable[[int], ProbeHead] | None, policy: Any) -> ProbeHead | None:
+    """The probe head for ``policy``'s hidden size (the input width of its LM head), or None."""
+    if factory is None:
+        return None
+    head = factory(policy.get_output_embeddings().weight.shape[1])
+    if not isinstance(head, ProbeHead):
+        raise TypeError(
+            f"model.init_args.probe_head must build a rlvr_lightning.heads.ProbeHead, got "
+            f"{type(head).__name__}."
+        )
+    return head
 
 
 def value_head(factory: Callable[[int], ValueHead] | None, policy: Any) -> ValueHead | None:

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
 
 from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS
 from rlvr_lightning.forward import completion_forward, group_microbatches
+from rlvr_lightning.ops import masked_mean
 from rlvr_lightning.types import Rollouts
+
+if TYPE_CHECKING:
+    from rlvr_lightning.heads.probe_head import ProbeHead
 
 CorrectionMode = Literal["tis", "mask", "none"]
 CorrectionLevel = Literal["token", "sequence"]
@@ -92,6 +96,15 @@ def mismatch_metrics(
     }
 
 
+class TrainerPass(NamedTuple):
+    """What :func:`trainer_forward` gives: ``π_old`` ``[N, T]``, a value head's ``V_old``
+    ``[N, T]`` and a probe head's inputs ``[N, F]`` (each None without that head)."""
+
+    logp: torch.Tensor
+    values: torch.Tensor | None
+    probe_features: torch.Tensor | None
+
+
 @torch.no_grad()
 def trainer_forward(
     model: nn.Module,
@@ -99,13 +112,17 @@ def trainer_forward(
     micro_batch_size: int,
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    probe: ProbeHead | None = None,
+) -> TrainerPass:
     """``[N, T]`` log-probs of the sampled tokens under ``model`` as the update computes them
     (same forward, same temperatures, same LM-head path ``head_chunk_tokens``, whatever
-    autocast is active), in micro-batches of whole groups, and the ``[N, T]`` values of
-    ``value_head`` from the same forward (None without one); 0 on padding."""
+    autocast is active), in micro-batches of whole groups; from the same forward, the
+    ``[N, T]`` values of ``value_head`` and, with a ``probe``, its ``[N, F]`` inputs (the
+    hidden-state means at ``probe.layer`` and the mean token entropy,
+    ``ProbeHead.row_features``); 0 on padding."""
     out = torch.zeros_like(rollouts.behaviour_logp, dtype=torch.float32)  # [N, T]
     values = None if value_head is None else torch.zeros_like(out)  # [N, T]
+    features = None if probe is None else out.new_zeros(len(out), probe.num_features)  # [N, F]
     groups = torch.arange(rollouts.num_rows, device=out.device) // rollouts.group_size  # [N]
     was_training = model.training
     model.eval()
@@ -119,15 +136,20 @@ def trainer_forward(
                 rollouts.completion_ids[idx],
                 mask,
                 rollouts.temperature[idx],
+                with_entropy=probe is not None,
                 value_head=value_head,
                 head_chunk_tokens=head_chunk_tokens,
+                layer_means=None if probe is None else (probe.layer, probe.last_tokens),
             )
             out[idx] = fwd.logp.float() * mask
             if values is not None:
                 values[idx] = torch.where(mask.bool(), fwd.values, 0.0)
+            if features is not None:
+                entropy = masked_mean(fwd.entropy.float(), mask, dim=-1)  # [m]
+                features[idx] = probe.row_features(*fwd.layer_means, entropy)
     finally:
         model.train(was_training)
-    return out, values
+    return TrainerPass(out, values, features)
 
 
 def needs_trainer_logprobs(
@@ -161,13 +183,15 @@ def with_trainer_logprobs(
     cap: float,
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    probe: ProbeHead | None = None,
 ) -> tuple[Rollouts, dict[str, float]]:
     """``rollouts`` with ``old_logp`` from the trainer and the on-policy rows' temperature set
     to ``base_temperature`` (the loss then sees the policy the trainer optimises, whatever
     temperature each row or token was sampled at; the per-position temperatures are dropped);
     injected rows keep their stored log-probs and temperatures. Also returns the mismatch
     metrics over the sampled tokens. With a ``value_head``, the same forward fills
-    ``old_values``; ``head_chunk_tokens`` as in :func:`trainer_forward`."""
+    ``old_values``, with a ``probe`` ``probe_features``; ``head_chunk_tokens`` as in
+    :func:`trainer_forward`."""
     on = _on_policy(rollouts)  # [N]
     base = torch.full_like(rollouts.temperature, base_temperature)
     r = dataclasses.replace(
@@ -175,11 +199,11 @@ def with_trainer_logprobs(
         temperature=torch.where(on, base, rollouts.temperature),
         position_temperature=None,
     )
-    old, values = trainer_forward(
-        model, r, micro_batch_size, value_head, head_chunk_tokens
-    )  # [N, T]
+    old, values, features = trainer_forward(
+        model, r, micro_batch_size, value_head, head_chunk_tokens, probe
+    )  # [N, T], [N, T], [N, F]
     sampled = rollouts.completion_mask.float() * on[:, None]  # [N, T]
     if rollouts.offpolicy_mask is not None:
         old = torch.where(rollouts.offpolicy_mask.bool(), rollouts.behaviour_logp.float(), old)
     stats = mismatch_metrics(old, rollouts.behaviour_logp, sampled, cap)
-    return dataclasses.replace(r, old_logp=old, old_values=values), stats
+    return dataclasses.replace(r, old_logp=old, old_values=values, probe_features=features), stats

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
+from rlvr_lightning.layer_states import capture_layer, prompt_response_means
 from rlvr_lightning.ops import entropy_from_logits, logprobs_from_logits
 
 # Config fields of models whose logits are not the head's output (Gemma 2/3 soft-capping,
@@ -275,11 +276,13 @@ def _piecewise_logprobs(
 
 
 class CompletionForward(NamedTuple):
-    """What one forward over completions gives: ``[n, T]`` each, 0 on trimmed columns."""
+    """What one forward over completions gives: ``[n, T]`` each, 0 on trimmed columns, and
+    ``layer_means`` (``[n, H]`` prompt and response means of a layer, see ``layer_means``)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor | None
     values: torch.Tensor | None
+    layer_means: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def completion_forward(
@@ -294,9 +297,13 @@ def completion_forward(
     share_prompts: bool = True,
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    layer_means: tuple[int, int] | None = None,
 ) -> CompletionForward:
     """Log-probs ``[n, T]`` of the completion tokens at the rows' sampling temperatures, and
     optionally their entropies and the values ``value_head(hidden)`` of the same forward.
+    With ``layer_means = (layer, k)`` also the mean hidden state at ``layer`` of the last ``k``
+    prompt tokens and of the states predicting the last ``k`` completion tokens, caught by a
+    hook on that layer (``layer_states.py``; POISE's probe features).
 
     Columns that are padding in every row are trimmed first, and logits are computed only for
     the completion positions. With ``share_prompts`` each distinct prompt is encoded once (see
@@ -312,8 +319,16 @@ def completion_forward(
     cids, cmask = completion_ids[:, :t_end], completion_mask[:, :t_end]  # [n, t]
     head = None if head_chunk_tokens is None else fused_head(model)
     capture = value_head is not None or head is not None
-    with lm_head_inputs(model, enabled=capture) as hidden, _head_bypassed(head):
+    layer = None if layer_means is None else layer_means[0]
+    with (
+        lm_head_inputs(model, enabled=capture) as hidden,
+        _head_bypassed(head),
+        capture_layer(model, layer) as layer_out,
+    ):
         pieces = _model_outputs(model, pids, pmask, cids, cmask, hidden, share_prompts)
+    means = None
+    if layer_means is not None:
+        means = prompt_response_means(layer_out, pids, pmask, cmask, share_prompts, layer_means[1])
     if capture and len(hidden) != len(pieces):
         raise RuntimeError(
             f"Expected one LM-head call per logits piece ({len(pieces)}), saw "
@@ -331,7 +346,7 @@ def completion_forward(
     logp = nn.functional.pad(logp, pad)  # [n, T]
     entropy = None if entropy is None else nn.functional.pad(entropy, pad)  # [n, T]
     values = None if value_head is None else nn.functional.pad(value_head(states), pad)  # [n, T]
-    return CompletionForward(logp, entropy, values)
+    return CompletionForward(logp, entropy, values, means)
 
 
 def completion_logprobs(

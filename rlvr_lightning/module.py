@@ -17,7 +17,7 @@ import torch
 from rlvr_lightning import build, models
 from rlvr_lightning.dynamic import keep_first, refill_step
 from rlvr_lightning.generation import GenerationStage
-from rlvr_lightning.heads import ValueHead
+from rlvr_lightning.heads import ProbeHead, ValueHead
 from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.lifecycle import StepLifecycle, plain_hparam
 from rlvr_lightning.metrics import EvalMetrics
@@ -47,11 +47,15 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             estimator: ``grpo``, ``dapo``, ``dr_grpo``, ``gspo`` or ``cispo``.
         loss_fn: a custom per-token policy loss (import path in YAML) with the signature of
             ``losses.PolicyLossFn``; overrides the preset's loss.
-        estimator: advantage estimator (``grpo``, ``dr_grpo``, ``rloo``, or ``gae``: per-token
-            GAE with ``value_head`` as critic, spec §8.7); None = the preset's.
+        estimator: advantage estimator (``grpo``, ``dr_grpo``, ``rloo``, ``gae``: per-token
+            GAE with ``value_head`` as critic, spec §8.7, or ``probe``: POISE's baseline from
+            ``probe_head``, spec §7.1); None = the preset's.
         value_head: the critic of ``estimator: gae``, called with the policy's hidden size:
             ``heads.ValueHead`` (class path and init args in YAML: MLP, lr, value clipping,
             ``gamma``, ``lam``); None without it. It is saved in checkpoints.
+        probe_head: POISE's probe of ``estimator: probe``, called with the policy's hidden
+            size: ``heads.ProbeHead`` (layer, PCA sizes, ridge ``alpha``, bootstrap, refit,
+            buffer); None without it. Its rows and fit are saved in checkpoints.
         agg_mode: loss aggregation (see ``losses.agg_loss``); None = the preset's.
         clip_low: lower clip range; None = the preset's.
         clip_high: upper clip range; None = the preset's.
@@ -153,6 +157,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         loss_fn: Callable | None = None,
         estimator: EstimatorName | None = None,
         value_head: Callable[[int], ValueHead] | None = None,
+        probe_head: Callable[[int], ProbeHead] | None = None,
         agg_mode: AggMode | None = None,
         clip_low: float | None = None,
         clip_high: float | None = None,
@@ -216,6 +221,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             policy, dtype, lora_rank, lora_alpha, lora_target_modules
         )
         self.value_head = build.value_head(value_head, self.policy)  # a submodule: checkpointed
+        self.probe_head = build.probe_head(probe_head, self.policy)  # buffers: checkpointed
         build.check_prompt_format(prompt_format, self.tokenizer, policy)
         # Not registered as a submodule: the frozen copy never enters checkpoints or optimisers.
         self._reference = (
@@ -288,9 +294,12 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         """Advantages ``[N]`` (or ``[N, T]``) from the rewards; override to change the estimator.
 
         Groups with off-policy members use ``offpolicy.mixed_advantages`` (baseline choice, caps);
-        ``gae`` reads the value head's ``V_old`` (``Rollouts.old_values``).
+        ``gae`` reads the value head's ``V_old`` (``Rollouts.old_values``), ``probe`` the probe
+        head's predictions (``Rollouts.probe_features``).
         """
         extra = {} if self.value_head is None else self.value_head.estimator_kwargs(scored.rollouts)
+        if self.probe_head is not None:
+            extra = self.probe_head.estimator_kwargs(scored)
         return mixed_advantages(scored, self.estimator, self.hparams.offpolicy_baseline, **extra)
 
     def select_groups(self, batch: PromptBatch, scored: Scored) -> torch.Tensor:
@@ -333,6 +342,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         scored, mismatch = self.recompute_old_logprobs(scored)
         extra_metrics.update(mismatch)
         advantages = self.compute_advantages(scored)
+        if self.probe_head is not None:  # POISE: advantages first, then the step's rows
+            extra_metrics.update(self.probe_head.observe(scored))
         groups = self.select_groups(batch, scored)  # [B]
         if self.hparams.dynamic_sampling:
             groups = keep_first(groups, target)

@@ -118,3 +118,13 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = _LOGIT_CHUNK_ROW
         probs = torch.softmax(rows, dim=-1)  # [m, V]
         pieces.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(-1))
     return torch.cat(pieces).reshape(logits.shape[:-1])
+
+
+def last_n_mean(x: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``[R, H]`` mean of ``x`` ``[R, L, H]`` over the last ``n`` valid positions of each row
+    (``mask`` ``[R, L]``, left or right padded); 0 for a row without valid positions."""
+    valid = mask.bool()  # [R, L]
+    from_end = valid.flip(-1).cumsum(-1).flip(-1)  # [R, L] 1 on the last valid position
+    keep = valid & (from_end <= n)  # [R, L]
+    total = torch.where(keep[..., None], x.float(), 0.0).sum(1)  # [R, H]
+    return total / keep.sum(-1, keepdim=True).clamp_min(1)

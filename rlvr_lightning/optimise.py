@@ -100,11 +100,13 @@ class UpdateStage(pl.LightningModule):
 
     def recompute_old_logprobs(self, scored: Scored) -> tuple[Scored, dict[str, float]]:
         """``π_old`` from the trainer where the sampler differs from it (``old_logprobs``,
-        ``correction.py``) and, with a value head, ``V_old`` (``Rollouts.old_values``) from the
-        same no-grad forward; without a ``π_old`` recomputation the values cost one no-grad
-        forward of their own. Returns the scored batch and the mismatch metrics."""
+        ``correction.py``) and, with a value head, ``V_old`` (``Rollouts.old_values``), with a
+        probe head its inputs (``Rollouts.probe_features``), from the same no-grad forward;
+        without a ``π_old`` recomputation the heads' inputs cost one no-grad forward of their
+        own. Returns the scored batch and the mismatch metrics."""
         h, r = self.hparams, scored.rollouts
         base = self.sampling.temperature
+        chunk = self.updater.head_chunk_tokens
         if correction.needs_trainer_logprobs(h.old_logprobs, self.engine.shares_policy, r, base):
             r, stats = correction.with_trainer_logprobs(
                 self.policy,
@@ -113,14 +115,15 @@ class UpdateStage(pl.LightningModule):
                 base,
                 h.rollout_correction_cap,
                 self.value_head,
-                self.updater.head_chunk_tokens,
+                chunk,
+                self.probe_head,
             )
             metrics = {f"mismatch/{k}": v for k, v in stats.items()}
-        elif self.value_head is not None:
-            _, values = correction.trainer_forward(
-                self.policy, r, h.micro_batch_size, self.value_head, self.updater.head_chunk_tokens
+        elif self.value_head is not None or self.probe_head is not None:
+            _, values, features = correction.trainer_forward(
+                self.policy, r, h.micro_batch_size, self.value_head, chunk, self.probe_head
             )
-            r, metrics = dataclasses.replace(r, old_values=values), {}
+            r, metrics = dataclasses.replace(r, old_values=values, probe_features=features), {}
         else:
             return scored, {}
         return dataclasses.replace(scored, rollouts=r), metrics

@@ -14,7 +14,7 @@ from rlvr_lightning import losses
 from rlvr_lightning.losses import AggMode, PolicyLossFn
 
 AlgorithmName = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
-EstimatorName = Literal["grpo", "dr_grpo", "rloo", "gae"]
+EstimatorName = Literal["grpo", "dr_grpo", "rloo", "gae", "probe"]
 
 
 @dataclass(frozen=True)

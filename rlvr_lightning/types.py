@@ -137,6 +137,9 @@ class Rollouts:
     # [N, T] values ``V_old`` of a value head at rollout time (the no-grad forward before the
     # update, ``heads/value.py``); None without a value head.
     old_values: torch.Tensor | None = None
+    # [N, F] inputs of a probe head (``heads/probe_head.py``: layer means and mean token
+    # entropy) from that same forward; None without a probe head.
+    probe_features: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -153,7 +153,7 @@ class PolicyUpdate:
             rollouts.completion_mask[idx],
             rollouts.temperature[idx],
         )
-        logp, entropy, values = completion_forward(
+        logp, entropy, values, _ = completion_forward(
             model,
             *inputs,
             with_entropy=True,

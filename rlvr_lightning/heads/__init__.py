@@ -1,6 +1,7 @@
 """Heads on the policy's hidden states: the critic of the ``gae`` estimator (``ValueHead``)
-and the maths of POISE's probe (``probe.py``)."""
+and POISE's probe of the ``probe`` estimator (``ProbeHead``; its maths in ``probe.py``)."""
 
+from rlvr_lightning.heads.probe_head import ProbeHead
 from rlvr_lightning.heads.value import ValueBatch, ValueHead
 
-__all__ = ["ValueBatch", "ValueHead"]
+__all__ = ["ProbeHead", "ValueBatch", "ValueHead"]

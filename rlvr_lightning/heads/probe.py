@@ -1,10 +1,11 @@
 """POISE's probe (spec §7.1): a ridge regression on PCA-reduced hidden states that predicts a
 prompt's expected reward, and the cross-rollout baseline built from its predictions.
 
-What is here is the maths: :func:`sibling_mean` (the probe's regression target, from the
-siblings' rewards, and the baseline, from the siblings' predictions), :func:`poise_advantages`,
-:func:`pca_basis`, :func:`ridge_fit` and :class:`RidgeProbe`, whose fitted state lives in
-buffers so that it is saved with a checkpoint.
+What is here is the maths: :func:`pca_basis`, :func:`ridge_fit`, :class:`RidgeProbe` (whose
+fitted state lives in buffers so that it is saved with a checkpoint), :func:`fit_quality` and
+:func:`rows_to_drop` (the FIFO buffer's whole-group eviction). The target and the baseline,
+:func:`sibling_mean` and :func:`poise_advantages`, are advantage estimators and live in
+``advantages.py`` (re-exported here). ``probe_head.ProbeHead`` wires them into training.
 """
 
 from __future__ import annotations
@@ -12,29 +13,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlvr_lightning.advantages import poise_advantages, sibling_mean
 
-def sibling_mean(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[N]`` mean of the *other* rows of each row's group: ``(Σ_{j≠i} x_j) / (G - 1)``.
-
-    With ``x`` the rewards it is POISE's probe target (``other_rollout_correctness``); with
-    ``x`` the probe's predictions it is the baseline ``b_i``, which never sees row ``i``'s own
-    state, so the advantage stays unbiased.
-    """
-    if group_size < 2 or x.dim() != 1 or x.numel() % group_size:
-        raise ValueError(
-            f"sibling_mean needs [N] values in groups of group_size >= 2; got shape "
-            f"{tuple(x.shape)} with group_size={group_size}."
-        )
-    grouped = x.float().reshape(-1, group_size)  # [B, G]
-    return ((grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)).reshape(-1)
-
-
-def poise_advantages(
-    rewards: torch.Tensor, predictions: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """``[N]`` POISE advantages ``A_i = r_i - b_i``, ``b_i`` the mean of the siblings' probe
-    predictions (:func:`sibling_mean`); for ``G = 2``: ``A_1 = r_1 - g(z_2)``."""
-    return rewards.float() - sibling_mean(predictions, group_size)
+__all__ = [
+    "RidgeProbe",
+    "fit_quality",
+    "pca_basis",
+    "poise_advantages",
+    "ridge_fit",
+    "rows_to_drop",
+    "sibling_mean",
+]
 
 
 def pca_basis(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +56,8 @@ class RidgeProbe(nn.Module):
     """``g(z) = clip(w · [PCA_p(h_prompt), PCA_r(h_response), scalars] + b, 0, 1)``.
 
     Defaults are POISE's Qwen3-4B configuration: 32 prompt and 64 response components,
-    ``alpha = 100``. Scalars (e.g. mean token entropies) enter unscaled.
+    ``alpha = 100``, predictions clipped to ``[0, 1]``. Scalars (e.g. mean token entropies)
+    enter unscaled.
 
     Args:
         prompt_dim: width of the prompt hidden-state feature.
@@ -76,6 +66,9 @@ class RidgeProbe(nn.Module):
         prompt_pca: principal components kept of the prompt feature.
         response_pca: principal components kept of the response feature.
         alpha: ridge penalty.
+        low: predictions are clipped to ``[low, high]`` (POISE: ``[0, 1]``, its rewards being
+            correctness).
+        high: see ``low``.
     """
 
     def __init__(
@@ -87,9 +80,13 @@ class RidgeProbe(nn.Module):
         prompt_pca: int = 32,
         response_pca: int = 64,
         alpha: float = 100.0,
+        low: float = 0.0,
+        high: float = 1.0,
     ) -> None:
         super().__init__()
-        self.alpha = alpha
+        if not low < high:
+            raise ValueError(f"RidgeProbe needs low < high, got [{low}, {high}].")
+        self.alpha, self.low, self.high = alpha, low, high
         self.register_buffer("prompt_mean", torch.zeros(prompt_dim))
         self.register_buffer("prompt_components", torch.zeros(prompt_dim, prompt_pca))
         self.register_buffer("response_mean", torch.zeros(response_dim))
@@ -126,8 +123,38 @@ class RidgeProbe(nn.Module):
     def forward(
         self, prompt_h: torch.Tensor, response_h: torch.Tensor, scalars: torch.Tensor
     ) -> torch.Tensor:
-        """``[M]`` predicted expected reward in ``[0, 1]``."""
+        """``[M]`` predicted expected reward in ``[low, high]``."""
         if not bool(self.fitted):
             raise RuntimeError("RidgeProbe.forward before fit: fit it on collected rows first.")
         pred = self.features(prompt_h, response_h, scalars) @ self.weight + self.bias  # [M]
-        return pred.clamp(0.0, 1.0)
+        return pred.clamp(self.low, self.high)
+
+
+def fit_quality(pred: torch.Tensor, target: torch.Tensor) -> tuple[float, float]:
+    """``(R², Pearson r)`` of ``[M]`` predictions against targets; 0 where the targets (R²) or
+    either side (r) have no variance, so a constant buffer never logs NaN."""
+    pred, target = pred.double(), target.double()  # [M]
+    resid = ((target - pred) ** 2).sum()
+    total = ((target - target.mean()) ** 2).sum()
+    r2 = float(1 - resid / total) if total > 0 else 0.0
+    pc, tc = pred - pred.mean(), target - target.mean()
+    denom = (pc.norm() * tc.norm()).item()
+    return r2, float((pc @ tc) / denom) if denom > 0 else 0.0
+
+
+def rows_to_drop(group_ids: torch.Tensor, overflow: int) -> int:
+    """How many of the oldest rows to evict so that at least ``overflow`` go and no group is
+    split: the count is extended to the end of the group it would cut.
+
+    Args:
+        group_ids: ``[M]`` group id of each buffered row, oldest first, a group's rows adjacent.
+        overflow: rows over the buffer's capacity.
+    """
+    m = group_ids.numel()
+    if overflow <= 0:
+        return 0
+    if overflow >= m:
+        return m
+    same = group_ids[overflow:] == group_ids[overflow - 1]  # [M - overflow]
+    # Rows after the cut that still belong to the cut group: the leading run of True.
+    return overflow + int(same.int().cumprod(0).sum())

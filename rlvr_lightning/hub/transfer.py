@@ -65,11 +65,16 @@ def _save_adapter(model: nn.Module, path: Path, base_model: str | None) -> None:
 
 
 def save_heads(heads: Mapping[str, nn.Module], dirpath: str | Path) -> list[Path]:
-    """Save each head's ``state_dict`` as ``<name>.safetensors`` (class name in the metadata)."""
+    """Save each head's ``state_dict`` as ``<name>.safetensors`` (class name in the metadata);
+    a head with a ``save_pretrained(dirpath, name)`` method (``ProbeHead``: the fitted probe
+    and its settings, without the training buffer) writes itself."""
     written = []
     for name, head in heads.items():
         if not re.fullmatch(r"[\w.-]+", name):
             raise ValueError(f"Head name {name!r} must be a plain file name ([A-Za-z0-9_.-]).")
+        if hasattr(head, "save_pretrained"):
+            written.extend(head.save_pretrained(dirpath, name))
+            continue
         tensors = {k: v.detach().cpu().contiguous().clone() for k, v in head.state_dict().items()}
         target = Path(dirpath) / f"{name}{HEADS_SUFFIX}"
         save_file(tensors, str(target), metadata={"class": type(head).__qualname__})

@@ -7,6 +7,7 @@ import torch
 
 from rlvr_lightning.ops import (
     entropy_from_logits,
+    last_n_mean,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -118,3 +119,12 @@ def test_entropy_from_logits_matches_definition(dtype: torch.dtype) -> None:
     logp = torch.log_softmax(logits.float(), -1)  # [N, T, V]
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_last_n_mean_takes_the_last_valid_positions_of_each_row() -> None:
+    # Row 0 left-padded [pad, 1, 2, 3], n = 2 -> mean(2, 3) = 2.5; row 1 right-padded
+    # [4, 6, pad, pad] -> mean(4, 6) = 5; row 2 one valid [pad, pad, 7, pad] -> 7; row 3 none -> 0.
+    x = torch.tensor([[0, 1, 2, 3], [4, 6, 9, 9], [9, 9, 7, 9], [9, 9, 9, 9.0]])[..., None]
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
+    out = last_n_mean(x, mask, 2)  # [R, 1]
+    torch.testing.assert_close(out[:, 0], torch.tensor([2.5, 5.0, 7.0, 0.0]))

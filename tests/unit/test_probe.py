@@ -9,9 +9,11 @@ import torch
 
 from rlvr_lightning.heads.probe import (
     RidgeProbe,
+    fit_quality,
     pca_basis,
     poise_advantages,
     ridge_fit,
+    rows_to_drop,
     sibling_mean,
 )
 
@@ -68,3 +70,28 @@ def test_ridge_probe_recovers_a_linear_target_clips_and_round_trips() -> None:
     restored = RidgeProbe(6, 5, 1, prompt_pca=6, response_pca=5)
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     torch.testing.assert_close(restored(prompt_h, response_h, scalars), pred)
+
+
+def test_fit_quality_hand_values() -> None:
+    # target [0, 1, 2], pred [0, 1, 1]: resid = 1, total = 2 -> R² = 0.5. Centred pred
+    # [-2/3, 1/3, 1/3], target [-1, 0, 1]: dot = 2/3 + 1/3 = 1, |p| = sqrt(6/9), |t| = sqrt(2)
+    # -> r = 1 / sqrt(12/9) = sqrt(3) / 2.
+    r2, corr = fit_quality(torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 2.0]))
+    assert r2 == pytest.approx(0.5) and corr == pytest.approx(3**0.5 / 2)
+    assert fit_quality(torch.ones(3), torch.ones(3)) == (0.0, 0.0)  # no variance: 0, not NaN
+
+
+def test_rows_to_drop_never_splits_a_group() -> None:
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])  # [M], oldest first
+    assert rows_to_drop(groups, 0) == 0
+    assert rows_to_drop(groups, 1) == 2  # cutting into group 0 takes all of it
+    assert rows_to_drop(groups, 2) == 2
+    assert rows_to_drop(groups, 3) == 4  # group 1 too
+    assert rows_to_drop(groups, 9) == 6
+
+
+def test_ridge_probe_clips_to_its_range() -> None:
+    probe = RidgeProbe(1, 1, 1, prompt_pca=1, response_pca=1, alpha=1e-6, low=0.0, high=1.5)
+    x = torch.tensor([[0.0], [1.0], [2.0]])  # [M, 1]
+    probe.fit(x, x, torch.zeros(3, 1), torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.allclose(probe(x, x, torch.zeros(3, 1)), torch.tensor([0.0, 1.0, 1.5]), atol=1e-4)

@@ -80,7 +80,7 @@ def test_values_are_the_head_on_the_hidden_state_before_each_token(share: bool) 
 def test_fused_pass_gives_old_logprobs_and_values_of_the_update_forward() -> None:
     model, r = _rollouts(seed=2)
     head = _head(32)
-    logp, values = trainer_forward(model, r, micro_batch_size=2, value_head=head)
+    logp, values, _ = trainer_forward(model, r, micro_batch_size=2, value_head=head)
     with torch.no_grad():
         out = completion_forward(model, *_inputs(r), value_head=head)
     mask = r.completion_mask.bool()
@@ -96,7 +96,7 @@ def _update(micro: int) -> PolicyUpdate:
 def _value_step(model, r, head, micro: int):
     model.zero_grad()
     head.zero_grad()
-    _, old = trainer_forward(model, r, micro, head)  # [N, T]
+    _, old, _ = trainer_forward(model, r, micro, head)  # [N, T]
     returns = torch.where(r.completion_mask.bool(), old + 0.1, 0.0)  # [N, T]
     adv = torch.zeros(r.num_rows)  # [N]: only the value loss moves anything
     _, metrics = _update(micro).accumulate(
