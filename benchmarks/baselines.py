@@ -26,7 +26,8 @@ import statistics
 import time
 from typing import Any
 
-INSTRUCTION = "Put the final answer in \\boxed{}, for example \\boxed{5}."
+from guidance import INSTRUCTION, bench_trainer
+
 ARMS = ("grpo", "poise", "ppo")
 
 
@@ -109,18 +110,7 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
         instruction=INSTRUCTION,
         seed=args.seed,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        precision="bf16-mixed",
-        max_steps=args.steps,
-        val_check_interval=1_000_000,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = bench_trainer(args.steps)
     if before is None:  # same model, seed and validation set for every arm: measured once
         before = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/accuracy"])
     start = time.perf_counter()

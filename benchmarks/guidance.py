@@ -56,6 +56,21 @@ def _arm_callbacks(arm: str) -> tuple[list[Any], str]:
     raise ValueError(f"unknown arm {arm!r}; use grpo, gt or luffy")
 
 
+def bench_trainer(steps: int, callbacks: list[Any] | None = None) -> Any:
+    """A quiet bf16-mixed CPU ``Trainer`` for ``steps`` optimiser steps that validates only
+    when asked (``trainer.validate``); shared by the benchmarks that import this file."""
+    from rlvr_lightning.testing import quiet_trainer
+
+    return quiet_trainer(
+        precision="bf16-mixed",
+        max_steps=steps,
+        limit_val_batches=1.0,
+        val_check_interval=1_000_000,
+        check_val_every_n_epoch=None,
+        callbacks=callbacks or [],
+    )
+
+
 def _validate(trainer: Any, module: Any, data: Any) -> float:
     results = trainer.validate(module, datamodule=data, verbose=False)
     return float(results[0]["val/accuracy"])
@@ -93,19 +108,7 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
         instruction=INSTRUCTION,
         seed=args.seed,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        precision="bf16-mixed",
-        max_steps=args.steps,
-        val_check_interval=1_000_000,
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[*callbacks, recorder],
-    )
+    trainer = bench_trainer(args.steps, callbacks=[*callbacks, recorder])
     if before is None:
         before = _validate(trainer, module, data)
     start = time.perf_counter()

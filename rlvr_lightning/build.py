@@ -74,25 +74,21 @@ def check_probe_head(estimator: str, has_probe_head: bool) -> None:
 
 def probe_head(factory: Callable[[int], ProbeHead] | None, policy: Any) -> ProbeHead | None:
     """The probe head for ``policy``'s hidden size (the input width of its LM head), or None."""
-    if factory is None:
-        return None
-    head = factory(policy.get_output_embeddings().weight.shape[1])
-    if not isinstance(head, ProbeHead):
-        raise TypeError(
-            f"model.init_args.probe_head must build a rlvr_lightning.heads.ProbeHead, got "
-            f"{type(head).__name__}."
-        )
-    return head
+    return _head(factory, policy, ProbeHead, "probe_head")
 
 
 def value_head(factory: Callable[[int], ValueHead] | None, policy: Any) -> ValueHead | None:
     """The value head for ``policy``'s hidden size (the input width of its LM head), or None."""
+    return _head(factory, policy, ValueHead, "value_head")
+
+
+def _head(factory: Callable[[int], Any] | None, policy: Any, cls: type, key: str) -> Any:
     if factory is None:
         return None
     head = factory(policy.get_output_embeddings().weight.shape[1])
-    if not isinstance(head, ValueHead):
+    if not isinstance(head, cls):
         raise TypeError(
-            f"model.init_args.value_head must build a rlvr_lightning.heads.ValueHead, got "
+            f"model.init_args.{key} must build a rlvr_lightning.heads.{cls.__name__}, got "
             f"{type(head).__name__}."
         )
     return head

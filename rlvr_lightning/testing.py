@@ -87,6 +87,17 @@ def quiet_trainer(**overrides: object) -> pl.Trainer:
     return pl.Trainer(**{**kwargs, **overrides})
 
 
+def checkpointing_args(root: object) -> list[str]:
+    """CLI arguments that save ``last.ckpt`` under ``<root>/ckpt`` and log under ``root``."""
+    return [
+        "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={root}/ckpt",
+        "--trainer.callbacks.save_last=true",
+        f"--trainer.default_root_dir={root}",
+    ]
+
+
 def ppo_update(**overrides):
     """A ``PolicyUpdate`` with PPO clip loss, clip 0.2, seq-mean-token-mean over 8 tokens, no KL
     and no entropy bonus, micro-batches of 4; ``overrides`` replace any field."""

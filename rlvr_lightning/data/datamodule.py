@@ -455,5 +455,9 @@ class RLVRDataModule(pl.LightningDataModule):
 
 
 def _path_as_str(value: object) -> object:
-    """A path-like source (``pathlib.Path``) as its string; anything else unchanged."""
-    return os.fspath(value) if isinstance(value, os.PathLike) else value
+    """A path-like or string source as a plain ``str`` (the parser's ``SourceName`` is a
+    subclass, which ``torch.load(weights_only=True)`` would refuse in a checkpoint's
+    hyperparameters); a list of sources unchanged."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str.__str__(value) if isinstance(value, str) else value

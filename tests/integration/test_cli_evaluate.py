@@ -88,6 +88,7 @@ def test_a_csv_named_on_the_command_line_is_read_as_data(tmp_path, monkeypatch):
         run=False,
     )  # fmt: skip
     assert cli.datamodule.hparams.source == "sums.csv"
+    assert type(cli.datamodule.hparams.source) is str  # a subclass fails weights_only loads
     cli.datamodule.setup("fit")
     assert len(cli.datamodule.train_examples) == 12
     assert [e.columns["answer"] for e in cli.datamodule.val_examples] == [2, 4]  # as typed

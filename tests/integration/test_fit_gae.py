@@ -7,6 +7,7 @@ import torch
 
 from rlvr_lightning.cli import build_cli
 from rlvr_lightning.hub import module_heads
+from rlvr_lightning.testing import checkpointing_args
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 HEAD = (
@@ -21,11 +22,7 @@ def _cli(tmp_path, *extra, run=False):
         CONFIG,
         "--model.init_args.estimator=gae",
         HEAD,
-        "--trainer.enable_checkpointing=true",
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.save_last=true",
-        f"--trainer.default_root_dir={tmp_path}",
+        *checkpointing_args(tmp_path),
         *extra,
     ]
     return build_cli(["fit", *args] if run else args, run=run)
