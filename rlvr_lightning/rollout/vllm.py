@@ -43,6 +43,22 @@ def pad_right(rows: list[list[float]], width: int, value: float) -> torch.Tensor
     return out
 
 
+CPU_KV_CACHE_GB = 1.0
+"""KV cache of a vLLM engine on CPU when ``kv_cache_gb`` is unset (this project's choice).
+
+1 GiB holds ~45k tokens of SmolLM2-135M in bf16 (23 KiB a token) and ~37k of a 1.5B Qwen2
+model: several times a rollout batch of 64 x 1k tokens at the sizes a CPU trains. vLLM's own
+CPU default (``gpu_memory_utilization`` of all RAM) took 7 GiB and starved the trainer.
+"""
+
+
+def _kv_cache_bytes(kv_cache_gb: float | None, on_cpu: bool) -> int | None:
+    """vLLM's ``kv_cache_memory_bytes``: the given size, ``CPU_KV_CACHE_GB`` on CPU, else
+    None (vLLM sizes it from ``gpu_memory_utilization``)."""
+    size = CPU_KV_CACHE_GB if kv_cache_gb is None and on_cpu else kv_cache_gb
+    return None if size is None else int(size * 1024**3)
+
+
 class VLLMEngine:
     """Generation with ``vllm.LLM`` in this process; weights synced from the policy in place.
 
@@ -52,7 +68,10 @@ class VLLMEngine:
         tokenizer: the policy's tokenizer (EOS and pad ids, decoding).
         dtype: vLLM's parameter dtype (``auto``, ``float32``, ``bfloat16``, ``float16``).
         gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache).
-        kv_cache_gb: KV cache size in GiB; None lets vLLM decide (on CPU: its default space).
+        kv_cache_gb: KV cache size in GiB. None: vLLM decides on a GPU (from
+            ``gpu_memory_utilization``); on CPU ``CPU_KV_CACHE_GB``, since vLLM's CPU backend
+            would otherwise reserve ``gpu_memory_utilization`` of the machine's RAM (7 GiB of
+            24 at 0.3) for a KV cache the trainer's rollouts never fill.
         max_model_len: longest prompt + completion; None = the model's own limit.
         enable_sleep: release vLLM's memory (weights offloaded, KV cache dropped) between
             rollouts, where the platform supports sleep mode (CUDA/ROCm/XPU); a no-op on CPU.
@@ -81,7 +100,7 @@ class VLLMEngine:
             model=str(model_path),
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 1024**3),
+            kv_cache_memory_bytes=_kv_cache_bytes(kv_cache_gb, on_cpu),
             max_model_len=max_model_len,
             enable_sleep_mode=self.sleep_enabled,
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,

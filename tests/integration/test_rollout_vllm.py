@@ -231,3 +231,12 @@ def test_bf16_mixed_fit_takes_pi_old_from_the_trainer(folder):
     assert module.engine.llm.llm_engine.model_config.dtype == torch.bfloat16
     assert max(seen) < 0.05  # first micro-batch of each step: π_old == the trainer's log-prob
     assert "train/mismatch/kl" in trainer.logged_metrics
+
+
+def test_an_unset_kv_cache_on_cpu_is_the_projects_small_default():
+    # vLLM's CPU backend would reserve gpu_memory_utilization of all RAM (7 GiB of 24 at 0.3).
+    from rlvr_lightning.rollout.vllm import CPU_KV_CACHE_GB, _kv_cache_bytes
+
+    assert _kv_cache_bytes(None, on_cpu=True) == int(CPU_KV_CACHE_GB * 1024**3)
+    assert _kv_cache_bytes(None, on_cpu=False) is None  # on a GPU vLLM sizes it
+    assert _kv_cache_bytes(0.25, on_cpu=True) == 1024**3 // 4
