@@ -131,7 +131,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             ``auto`` (``trainer`` when the engine holds its own weights, i.e. vLLM, or when
             sampled tokens were drawn at a temperature other than ``sampling.temperature``:
             per-row, or per-position as EAD's; else ``engine``). With ``trainer`` the loss
-            scores every sampled row at ``sampling.temperature``. See ``correction.py``.
+            scores every sampled row at ``sampling.temperature``; an update of one optimiser
+            step (and no value or probe head) reads it from its own forward instead of an extra
+            pass, the same numbers. See ``correction.py``.
         rollout_correction: with ``π_old`` from the trainer, how tokens sampled by a
             different distribution are weighted: ``tis`` (``min(π_old/π_behaviour, cap)``),
             ``mask`` (drop tokens whose ratio leaves ``[1/cap, cap]``) or ``none``.

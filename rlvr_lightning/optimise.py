@@ -103,11 +103,18 @@ class UpdateStage(pl.LightningModule):
         ``correction.py``) and, with a value head, ``V_old`` (``Rollouts.old_values``), with a
         probe head its inputs (``Rollouts.probe_features``), from the same no-grad forward;
         without a ``π_old`` recomputation the heads' inputs cost one no-grad forward of their
-        own. Returns the scored batch and the mismatch metrics."""
+        own. Without heads, an update of one optimiser step takes ``π_old`` from its own
+        forwards instead (``correction.deferred_trainer_logprobs``; the mismatch metrics then
+        come from ``update``). Returns the scored batch and the mismatch metrics."""
         h, r = self.hparams, scored.rollouts
         base = self.sampling.temperature
         chunk = self.updater.head_chunk_tokens
+        heads = self.value_head is not None or self.probe_head is not None
         if correction.needs_trainer_logprobs(h.old_logprobs, self.engine.shares_policy, r, base):
+            if self._one_step_per_rollout() and not heads:
+                # the update's forwards run on π_old's weights: no separate pass needed
+                r = correction.deferred_trainer_logprobs(r, base)
+                return dataclasses.replace(scored, rollouts=r), {}
             r, stats = correction.with_trainer_logprobs(
                 self.policy,
                 r,
@@ -119,7 +126,7 @@ class UpdateStage(pl.LightningModule):
                 self.probe_head,
             )
             metrics = {f"mismatch/{k}": v for k, v in stats.items()}
-        elif self.value_head is not None or self.probe_head is not None:
+        elif heads:
             _, values, features = correction.trainer_forward(
                 self.policy, r, h.micro_batch_size, self.value_head, chunk, self.probe_head
             )
@@ -127,6 +134,12 @@ class UpdateStage(pl.LightningModule):
         else:
             return scored, {}
         return dataclasses.replace(scored, rollouts=r), metrics
+
+    def _one_step_per_rollout(self) -> bool:
+        """Whether ``update`` takes a single optimiser step over all of a rollout's rows (then
+        every micro-batch's forward sees ``π_old``'s weights)."""
+        h = self.hparams
+        return h.epochs_per_rollout == 1 and h.minibatches_per_rollout == 1
 
     def _mean_over_ranks(self, value: float) -> float:
         return ranks.over_ranks(self.trainer.strategy, value, "mean", self.device)

@@ -11,7 +11,12 @@ import torch
 from torch import nn
 
 from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS
-from rlvr_lightning.correction import CorrectionLevel, CorrectionMode, correction_weights
+from rlvr_lightning.correction import (
+    CorrectionLevel,
+    CorrectionMode,
+    correction_weights,
+    mismatch_metrics,
+)
 from rlvr_lightning.forward import completion_forward, completion_logprobs, group_microbatches
 from rlvr_lightning.losses import (
     AggMode,
@@ -53,7 +58,10 @@ class PolicyUpdate:
     forward): exact for on-policy updates and the correct ``π_old`` for later epochs. When the
     module recomputed ``π_old`` with the trainer (``Rollouts.old_logp``, see ``correction.py``),
     that is ``π_old`` and each token's loss is weighted by ``rollout_correction`` (``tis``:
-    ``min(π_old / π_behaviour, correction_cap)``; ``mask``; ``none``). With a value head
+    ``min(π_old / π_behaviour, correction_cap)``; ``mask``; ``none``); a NaN there means "this
+    forward's own detached log-probs" (``correction.deferred_trainer_logprobs``, for an update
+    that takes one optimiser step over the batch), and the mismatch metrics are then measured
+    here (``mismatch/*``). With a value head
     (``value``), the same forward gives ``V_θ`` and ``head.loss_coef`` times the value loss
     (a token-mean, so each micro-batch weighs by its share of the tokens) joins the objective.
     ``head_chunk_tokens``: tokens per chunk of the fused LM head in every forward (policy and
@@ -110,13 +118,14 @@ class PolicyUpdate:
         groups = rows // rollouts.group_size  # [n]
         micros = [rows[m] for m in group_microbatches(groups, self.micro_batch_size)]
         micros = [idx for idx in micros if agg_units(masks[idx], self.agg_mode) > 0]
-        loss_share, value_share, sums = 0.0, 0.0, {}
+        loss_share, value_share, sums, pairs = 0.0, 0.0, {}, []
         for i, idx in enumerate(micros):
             mask = masks[idx].float()  # [m, T]
             units, tokens = agg_units(mask, self.agg_mode), agg_units(mask, "token-mean")
-            loss, v_loss, metrics = self._micro_loss(
+            loss, v_loss, metrics, pair = self._micro_loss(
                 model, rollouts, advantages, idx, mask, reference_logprobs, value
             )
+            pairs += [] if pair is None else [pair]
             objective = loss * (units / mean_units)
             if v_loss is not None:
                 objective = objective + value.head.loss_coef * v_loss * (tokens / mean_tokens)
@@ -135,6 +144,10 @@ class PolicyUpdate:
         metrics = finish_source_metrics(sums, rollouts, advantages, rows)
         if value is not None:
             metrics["value_loss"] = reduce(value_share) if mean_tokens > 0 else 0.0
+        if pairs:  # π_old from this update's forwards: the sampler mismatch is measured here
+            old, behaviour = (torch.cat(x) for x in zip(*pairs, strict=True))
+            stats = mismatch_metrics(old, behaviour, torch.ones_like(old), self.correction_cap)
+            metrics.update({f"mismatch/{k}": v for k, v in stats.items()})
         return loss_total, metrics
 
     def _logprobs_of(self, inputs: tuple) -> Callable[[nn.Module], torch.Tensor]:
@@ -162,9 +175,11 @@ class PolicyUpdate:
             head_chunk_tokens=self.head_chunk_tokens,
         )  # [m, T] each (values: None without a value head)
         old_logp = rollouts.behaviour_logp[idx]  # [m, T]
-        weights = None
+        weights, deferred = None, None
         if rollouts.old_logp is not None:
-            old_logp = rollouts.old_logp[idx]  # [m, T]
+            stored = rollouts.old_logp[idx]  # [m, T]; NaN: this forward's own (see below)
+            deferred = stored.isnan() & (mask > 0)  # [m, T]
+            old_logp = torch.where(stored.isnan(), logp.detach().float(), stored)  # [m, T]
             weights = correction_weights(
                 old_logp,
                 rollouts.behaviour_logp[idx],
@@ -212,9 +227,12 @@ class PolicyUpdate:
             loss = loss - self.entropy_coef * agg_loss(
                 entropy, mask, self.agg_mode, norm_len=self.norm_len
             )
+        pairs = None  # π_old and π_behaviour of the tokens whose π_old this forward gave
+        if deferred is not None and bool(deferred.any()):
+            pairs = (old_logp[deferred].cpu(), rollouts.behaviour_logp[idx][deferred].float().cpu())
         if value is None:
-            return loss, None, metrics
+            return loss, None, metrics, pairs
         v_loss, v_metrics = value_loss(
             values, value.old_values[idx], value.returns[idx], mask, value.head.clip_range
         )
-        return loss, v_loss, {**metrics, **{k: float(v) for k, v in v_metrics.items()}}
+        return loss, v_loss, {**metrics, **{k: float(v) for k, v in v_metrics.items()}}, pairs

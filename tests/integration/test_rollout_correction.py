@@ -33,7 +33,7 @@ class OffsetEngine(HFEngine):
         )
 
 
-def _fit(old_logprobs: str, precision: str = "bf16-mixed"):
+def _fit(old_logprobs: str, precision: str = "bf16-mixed", separate_pass: bool = False):
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
@@ -44,6 +44,8 @@ def _fit(old_logprobs: str, precision: str = "bf16-mixed"):
         old_logprobs=old_logprobs,
     )
     module._engine = OffsetEngine(module.policy, module.tokenizer)
+    if separate_pass:  # π_old from its own no-grad pass, as for several optimiser steps
+        module._one_step_per_rollout = lambda: False
     seen = []
     loss_fn = module.updater.loss_fn
 
@@ -55,6 +57,7 @@ def _fit(old_logprobs: str, precision: str = "bf16-mixed"):
     data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
     trainer = quiet_trainer(max_steps=2, precision=precision)
     trainer.fit(module, datamodule=data)
+    trainer.module = module
     return trainer, seen
 
 
@@ -80,3 +83,19 @@ def test_engine_old_logprobs_inherit_the_engine_offset():
     trainer, seen = _fit("engine")
     assert _old_vs_trainer(seen) == pytest.approx(OFFSET, abs=0.05)
     assert "train/mismatch/kl" not in trainer.logged_metrics
+
+
+def test_pi_old_from_the_update_forward_equals_a_separate_pass():
+    # One optimiser step per rollout: the update's own forward runs on π_old's weights, so
+    # taking π_old from it must train exactly as the extra no-grad pass did.
+    deferred, seen_deferred = _fit("auto", "32-true")
+    separate, seen_separate = _fit("auto", "32-true", separate_pass=True)
+    for (_, old_d, m), (_, old_s, _) in zip(seen_deferred, seen_separate, strict=True):
+        assert torch.allclose(old_d[m], old_s[m], atol=1e-5)
+    for p_d, p_s in zip(
+        deferred.module.policy.parameters(), separate.module.policy.parameters(), strict=True
+    ):
+        assert torch.allclose(p_d, p_s, atol=1e-6)
+    for key in ("kl", "ratio_min", "ratio_max"):
+        logged_d = float(deferred.logged_metrics[f"train/mismatch/{key}"])
+        assert logged_d == pytest.approx(float(separate.logged_metrics[f"train/mismatch/{key}"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from rlvr_lightning.correction import (
     correction_weights,
+    deferred_trainer_logprobs,
     log_ratio,
     mismatch_metrics,
     needs_trainer_logprobs,
@@ -103,3 +105,15 @@ def test_trainer_logprobs_drop_the_schedule():
     out, _ = with_trainer_logprobs(model, r, micro_batch_size=2, base_temperature=1.0, cap=2.0)
     assert out.position_temperature is None and out.temperature.tolist() == [1.0, 1.0]
     assert out.old_logp is not None and torch.equal(out.behaviour_logp, BEH)
+
+
+def test_deferred_pi_old_marks_the_tokens_the_update_forward_fills():
+    # Row 0 on-policy, sampled at 0.7; row 1 injected (stored log-probs kept). MASK: row 1's
+    # last token is padding.
+    off = torch.tensor([[0, 0, 0], [1, 1, 1]])
+    r = dataclasses.replace(_rollouts(offpolicy_mask=off), temperature=torch.tensor([0.7, 0.5]))
+    out = deferred_trainer_logprobs(r, base_temperature=1.0)
+    assert out.old_logp[0].isnan().all()  # all three tokens of the on-policy row: from the update
+    assert torch.equal(out.old_logp[1], torch.tensor([BEH[1, 0], BEH[1, 1], 0.0]))
+    assert out.temperature.tolist() == [1.0, 0.5]  # the injected row keeps its temperature
+    assert out.position_temperature is None
