@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from guidance import INSTRUCTION, bench_trainer
+from guidance import INSTRUCTION, bench_trainer, sweep
 
 ARMS = ("grpo", "poise", "ppo")
 
@@ -140,14 +140,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--seeds", default="0,1,2")
     args = parser.parse_args()
-    results: dict[str, list[dict[str, Any]]] = {}
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        args.seed, before = seed, None
-        for arm in args.arms.split(","):
-            row = run_arm(arm, args, before)
-            before = row["before"]
-            results.setdefault(arm, []).append(row)
-            print(f"done {arm} seed {seed}: {row}", flush=True)
+    results = sweep(args, run_arm)
     print(
         f"\n{args.steps} steps, {8 * args.prompts} rollouts x {args.max_new_tokens} new tokens "
         f"per step (G=8 x {args.prompts} or G=2 x {4 * args.prompts}), lr {args.lr}, seeds "

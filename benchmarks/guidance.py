@@ -71,6 +71,21 @@ def bench_trainer(steps: int, callbacks: list[Any] | None = None) -> Any:
     )
 
 
+def sweep(args: argparse.Namespace, run: Any) -> dict[str, list[dict[str, Any]]]:
+    """``run(arm, args, before)`` for every seed of ``args.seeds`` and arm of ``args.arms``
+    (seed-major; ``before``: the seed's validation before training, measured by its first
+    arm); returns each arm's rows in seed order."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        args.seed, before = seed, None
+        for arm in args.arms.split(","):
+            row = run(arm, args, before)
+            before = row["before"]
+            results.setdefault(arm, []).append(row)
+            print(f"done {arm} seed {seed}: {row}", flush=True)
+    return results
+
+
 def _validate(trainer: Any, module: Any, data: Any) -> float:
     results = trainer.validate(module, datamodule=data, verbose=False)
     return float(results[0]["val/accuracy"])

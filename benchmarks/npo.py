@@ -65,14 +65,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     args = parser.parse_args()
     guidance._arm_callbacks = lambda arm: _arm_callbacks(arm, args)  # the arms of this study
-    results: dict[str, list[dict[str, Any]]] = {}
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        args.seed, before = seed, None
-        for arm in args.arms.split(","):
-            row = guidance.run_arm(arm, args, before)
-            before = row["before"]
-            results.setdefault(arm, []).append(row)
-            print(f"done {arm} seed {seed}: {row}", flush=True)
+    results = guidance.sweep(args, guidance.run_arm)
     print(
         f"\n{args.steps} steps x {args.prompts} prompts x G={args.group}, "
         f"{args.max_new_tokens} new tokens, lr {args.lr}, seeds {args.seeds}, "
