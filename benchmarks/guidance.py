@@ -116,7 +116,7 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
     )
     data = RLVRDataModule(
         source="addition",
-        task_config={"digits": 2},
+        task_config={"digits": args.digits},
         val_size=args.val_size,
         prompts_per_step=args.prompts,
         val_prompts_per_batch=args.val_size,
@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--digits", type=int, default=2, help="addends' digits (2: fails cold)")
     args = parser.parse_args()
     rows, before = [], None
     for arm in args.arms.split(","):
@@ -165,7 +166,7 @@ def main() -> None:
     print(
         f"\n{args.steps} steps x {args.prompts} prompts x G={args.group}, "
         f"{args.max_new_tokens} new tokens, lr {args.lr}, seed {args.seed}, "
-        f"{args.val_size} held-out two-digit sums (greedy)\n"
+        f"{args.val_size} held-out {args.digits}-digit sums (greedy)\n"
     )
     print(
         "| arm | val acc before | val acc after | groups with non-zero adv | "

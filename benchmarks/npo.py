@@ -16,6 +16,7 @@ time of training (which includes the look-ahead steps).
 
     python benchmarks/npo.py --steps 6              # ~10 min on 2 cores
     python benchmarks/npo.py --steps 20 --seeds 0,1,2
+    python benchmarks/npo.py --digits 1 --steps 14 --at 6 --delta 4 --candidates 2,4 --window 3
 """
 
 from __future__ import annotations
@@ -63,13 +64,16 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--seeds", default="0")
+    parser.add_argument(
+        "--digits", type=int, default=2, help="1: the model learns within ~15 steps cold"
+    )
     args = parser.parse_args()
     guidance._arm_callbacks = lambda arm: _arm_callbacks(arm, args)  # the arms of this study
     results = guidance.sweep(args, guidance.run_arm)
     print(
         f"\n{args.steps} steps x {args.prompts} prompts x G={args.group}, "
         f"{args.max_new_tokens} new tokens, lr {args.lr}, seeds {args.seeds}, "
-        f"{args.val_size} held-out two-digit sums (greedy)\n"
+        f"{args.val_size} held-out {args.digits}-digit sums (greedy)\n"
     )
     print("| arm | val acc before | val acc after | train acc | wall s |")
     print("|---|---|---|---|---|")
