@@ -12,10 +12,14 @@ update, so on-policy importance ratios start at 1 up to the engine's numerics.
 
 from __future__ import annotations
 
+import logging
 import os
 
 # In-process engine core: weights are loaded from this process's tensors, never pickled.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM logs three INFO lines per weight sync (every optimiser step); set the variable to INFO
+# to see them again.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from collections.abc import Iterable
 from typing import Literal
@@ -28,6 +32,16 @@ from vllm.platforms import current_platform
 from rlvr_lightning.rollout.factory import POSITION_TEMPERATURE_REFUSAL
 from rlvr_lightning.rollout.hf import completion_mask
 from rlvr_lightning.types import Rollouts, Sampling
+
+
+def _not_rotary_reload(record: logging.LogRecord) -> bool:
+    """False for vLLM's "RotaryEmbedding: Failed to load weights" on an in-place reload: the
+    rotary cache is derived, never synced, and vLLM keeps its own copy; every step warned."""
+    message = record.getMessage()
+    return not (message.startswith("RotaryEmbedding") and "Failed to load weights" in message)
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_not_rotary_reload)
 
 
 def unpad_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:

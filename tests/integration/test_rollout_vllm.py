@@ -240,3 +240,18 @@ def test_an_unset_kv_cache_on_cpu_is_the_projects_small_default():
     assert _kv_cache_bytes(None, on_cpu=True) == int(CPU_KV_CACHE_GB * 1024**3)
     assert _kv_cache_bytes(None, on_cpu=False) is None  # on a GPU vLLM sizes it
     assert _kv_cache_bytes(0.25, on_cpu=True) == 1024**3 // 4
+
+
+def test_the_rotary_reload_warning_is_dropped_and_other_warnings_kept():
+    import logging
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def passes(message: str, *args) -> bool:
+        record = logging.LogRecord(
+            layerwise.name, logging.WARNING, __file__, 1, message, args, None
+        )
+        return bool(layerwise.filter(record))
+
+    assert not passes("%s: Failed to load weights", "RotaryEmbedding")
+    assert passes("%s: Failed to load weights", "QKVParallelLinear")
