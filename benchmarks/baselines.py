@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from guidance import INSTRUCTION, bench_trainer, sweep
+from guidance import addition_data, bench_trainer, sweep
 
 ARMS = ("grpo", "poise", "ppo")
 
@@ -84,7 +84,7 @@ def _probe_pass_rate_corr(module: Any, data: Any, args: argparse.Namespace) -> f
 def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from rlvr_lightning import RLVRDataModule, RLVRModule
+    from rlvr_lightning import RLVRModule
     from rlvr_lightning.rewards import answer_accuracy, boxed_accuracy, boxed_format
     from rlvr_lightning.types import Sampling
 
@@ -101,15 +101,7 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
         lr=args.lr,
         **extra,
     )
-    data = RLVRDataModule(
-        source="addition",
-        task_config={"digits": args.digits},
-        val_size=args.val_size,
-        prompts_per_step=prompts,
-        val_prompts_per_batch=args.val_size,
-        instruction=INSTRUCTION,
-        seed=args.seed,
-    )
+    data = addition_data(args, prompts)
     trainer = bench_trainer(args.steps)
     if before is None:  # same model, seed and validation set for every arm: measured once
         before = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/accuracy"])

@@ -56,6 +56,22 @@ def _arm_callbacks(arm: str) -> tuple[list[Any], str]:
     raise ValueError(f"unknown arm {arm!r}; use grpo, gt or luffy")
 
 
+def addition_data(args: argparse.Namespace, prompts: int) -> Any:
+    """The benchmarks' data: ``args.digits``-digit sums, ``prompts`` per step, ``args.val_size``
+    held-out prompts in one batch, the instruction above, split by ``args.seed``."""
+    from rlvr_lightning import RLVRDataModule
+
+    return RLVRDataModule(
+        source="addition",
+        task_config={"digits": args.digits},
+        val_size=args.val_size,
+        prompts_per_step=prompts,
+        val_prompts_per_batch=args.val_size,
+        instruction=INSTRUCTION,
+        seed=args.seed,
+    )
+
+
 def bench_trainer(steps: int, callbacks: list[Any] | None = None) -> Any:
     """A quiet bf16-mixed CPU ``Trainer`` for ``steps`` optimiser steps that validates only
     when asked (``trainer.validate``); shared by the benchmarks that import this file."""
@@ -94,7 +110,7 @@ def _validate(trainer: Any, module: Any, data: Any) -> float:
 def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from rlvr_lightning import RLVRDataModule, RLVRModule
+    from rlvr_lightning import RLVRModule
     from rlvr_lightning.rewards import answer_accuracy, boxed_accuracy, boxed_format
     from rlvr_lightning.types import Sampling
 
@@ -114,15 +130,7 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
         micro_batch_size=16,
         lr=args.lr,
     )
-    data = RLVRDataModule(
-        source="addition",
-        task_config={"digits": args.digits},
-        val_size=args.val_size,
-        prompts_per_step=args.prompts,
-        val_prompts_per_batch=args.val_size,
-        instruction=INSTRUCTION,
-        seed=args.seed,
-    )
+    data = addition_data(args, args.prompts)
     trainer = bench_trainer(args.steps, callbacks=[*callbacks, recorder])
     if before is None:
         before = _validate(trainer, module, data)
