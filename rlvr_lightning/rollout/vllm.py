@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+from contextlib import contextmanager
 
 # In-process engine core: weights are loaded from this process's tensors, never pickled.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -21,9 +23,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # to see them again.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
+import numpy as np
 import torch
 import vllm
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -73,6 +76,23 @@ def _kv_cache_bytes(kv_cache_gb: float | None, on_cpu: bool) -> int | None:
     return None if size is None else int(size * 1024**3)
 
 
+@contextmanager
+def _caller_rng_kept() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global RNG states after the block: an in-process
+    ``vllm.LLM`` seeds them all with its own ``seed`` when it starts, which would undo the
+    run's ``seed_everything`` (every seed sampled the same rollouts) and a resumed run's RNG."""
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 class VLLMEngine:
     """Generation with ``vllm.LLM`` in this process; weights synced from the policy in place.
 
@@ -110,17 +130,18 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.sleep_enabled = enable_sleep and current_platform.is_sleep_mode_available()
         on_cpu = current_platform.is_cpu()
-        self.llm = vllm.LLM(
-            model=str(model_path),
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=_kv_cache_bytes(kv_cache_gb, on_cpu),
-            max_model_len=max_model_len,
-            enable_sleep_mode=self.sleep_enabled,
-            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-            logprobs_mode="processed_logprobs",
-            seed=seed,
-        )
+        with _caller_rng_kept():  # in-process vLLM reseeds the global RNGs with its seed
+            self.llm = vllm.LLM(
+                model=str(model_path),
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=_kv_cache_bytes(kv_cache_gb, on_cpu),
+                max_model_len=max_model_len,
+                enable_sleep_mode=self.sleep_enabled,
+                enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                logprobs_mode="processed_logprobs",
+                seed=seed,
+            )
         eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({i for i in [*eos_ids, tokenizer.eos_token_id] if i is not None})

@@ -255,3 +255,21 @@ def test_the_rotary_reload_warning_is_dropped_and_other_warnings_kept():
 
     assert not passes("%s: Failed to load weights", "RotaryEmbedding")
     assert passes("%s: Failed to load weights", "QKVParallelLinear")
+
+
+def test_building_an_engine_leaves_the_callers_rng_alone(folder):
+    # In-process vLLM seeds the global RNGs with its own seed; every run seed then sampled
+    # the same rollouts. (After the tests on the shared ``engine``, as above.)
+    import random
+
+    import numpy as np
+
+    _, tokenizer = _tiny()
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    expected = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    VLLMEngine(str(folder), tokenizer, dtype="float32", kv_cache_gb=KV_GB, seed=0)
+    assert torch.equal(torch.get_rng_state(), expected[0])
+    assert random.getstate() == expected[1]
+    assert (np.random.get_state()[1] == expected[2]).all()
