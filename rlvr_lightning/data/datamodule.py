@@ -32,6 +32,7 @@ from rlvr_lightning.data.mixture import (
     load_test_examples,
     mixture_splits,
     model_prompt_limit,
+    source_as_str,
     source_specs,
     test_specs,
     validate_source,
@@ -147,7 +148,7 @@ class RLVRDataModule(pl.LightningDataModule):
         )
         if val_size < 0:
             raise ValueError(f"val_size must be >= 0, got {val_size}.")
-        source, val_source, test_source = map(_path_as_str, (source, val_source, test_source))
+        source, val_source, test_source = map(source_as_str, (source, val_source, test_source))
         self.specs = source_specs(source, task_config, columns, answer_format)
         for spec in self.specs:
             validate_source(spec.source, spec.task_config, val_source, spec.columns)
@@ -452,12 +453,3 @@ class RLVRDataModule(pl.LightningDataModule):
                 f"has {len(self.train_examples)}: source or its settings changed. Restore them "
                 "to resume the same prompt sequence, or start a new run."
             )
-
-
-def _path_as_str(value: object) -> object:
-    """A path-like or string source as a plain ``str`` (the parser's ``SourceName`` is a
-    subclass, which ``torch.load(weights_only=True)`` would refuse in a checkpoint's
-    hyperparameters); a list of sources unchanged."""
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return str.__str__(value) if isinstance(value, str) else value

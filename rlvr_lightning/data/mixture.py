@@ -5,6 +5,7 @@ prompt length limit.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,15 @@ AnswerFormat = Literal["plain", "gsm8k", "boxed"]
 # became `source: []`, a CSV's text a string); a path-like member in the union turns that off
 # for the argument (`is_pathlike`), and a name without line breaks keeps file text out.
 SourceName = restricted_string_type("SourceName", r"\A[^\n]+\Z")
+
+
+def source_as_str(value: object) -> object:
+    """A path-like or string source as a plain ``str`` (the parser's ``SourceName`` is a
+    subclass, which ``torch.load(weights_only=True)`` would refuse in a checkpoint's
+    hyperparameters); a list of sources unchanged."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str.__str__(value) if isinstance(value, str) else value
 
 
 @dataclass

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import numpy as np
+import psutil
 import torch
 import vllm
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -73,7 +74,16 @@ def _kv_cache_bytes(kv_cache_gb: float | None, on_cpu: bool) -> int | None:
     """vLLM's ``kv_cache_memory_bytes``: the given size, ``CPU_KV_CACHE_GB`` on CPU, else
     None (vLLM sizes it from ``gpu_memory_utilization``)."""
     size = CPU_KV_CACHE_GB if kv_cache_gb is None and on_cpu else kv_cache_gb
-    return None if size is None else int(size * 1024**3)
+    if size is None:
+        return None
+    free = psutil.virtual_memory().available / 1024**3
+    if on_cpu and size > free:
+        raise ValueError(
+            f"The vLLM engine's KV cache of {size:g} GiB does not fit in the {free:.1f} GiB of "
+            "free memory; lower model.init_args.engine_kwargs.kv_cache_gb (on CPU the default "
+            f"is {CPU_KV_CACHE_GB:g})."
+        )
+    return int(size * 1024**3)
 
 
 @contextmanager

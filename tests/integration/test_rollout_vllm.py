@@ -240,6 +240,8 @@ def test_an_unset_kv_cache_on_cpu_is_the_projects_small_default():
     assert _kv_cache_bytes(None, on_cpu=True) == int(CPU_KV_CACHE_GB * 1024**3)
     assert _kv_cache_bytes(None, on_cpu=False) is None  # on a GPU vLLM sizes it
     assert _kv_cache_bytes(0.25, on_cpu=True) == 1024**3 // 4
+    with pytest.raises(ValueError, match=r"engine_kwargs\.kv_cache_gb"):
+        _kv_cache_bytes(1e6, on_cpu=True)  # more than the machine's free memory
 
 
 def test_the_rotary_reload_warning_is_dropped_and_other_warnings_kept():
