@@ -45,11 +45,14 @@ import logging
 import math
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -143,11 +146,45 @@ def _process_count(uid: int) -> int:
     return count
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, 9)
-    except OSError:  # already gone
-        pass
+def _session_members(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``, read from ``/proc``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and fields[0] != "Z" and fields[3] == str(sid):
+            members.append(int(entry))
+    return members
+
+
+def _kill_session(sid: int, patience_s: float = 2.0) -> None:
+    """SIGKILL every process of the sandbox's session and wait until each has exited.
+
+    Killing the runner's process group is not enough: each test case runs in a group of its
+    own, and a snippet that kills the runner is orphaned, so it would outlive the row.
+    """
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        handles = []
+        for pid in _session_members(sid):
+            try:
+                handle = os.pidfd_open(pid)
+            except OSError:  # exited meanwhile
+                continue
+            try:
+                signal.pidfd_send_signal(handle, signal.SIGKILL)
+            except OSError:
+                os.close(handle)
+                continue
+            handles.append(handle)
+        if not handles:
+            return
+        for handle in handles:  # a pidfd turns readable when its process has exited
+            select.select([handle], [], [], max(0.0, deadline - time.monotonic()))
+            os.close(handle)
 
 
 class CodeTestsReward:
@@ -347,7 +384,7 @@ def _run_sandbox(
         except subprocess.TimeoutExpired:
             out = b""
         finally:
-            _kill_group(proc.pid)
+            _kill_session(proc.pid)  # start_new_session: the session id is the pid
             proc.wait()
         flags = json.loads(out) if proc.returncode == 0 and out else None
     except (OSError, ValueError):

@@ -147,7 +147,8 @@ ESCAPES = {
     "fork_bomb": (
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        0"
     ),
-    "kill_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+    # orphaned by its own kill, it lives on in its own process group: the whole session must go
+    "kill_parent": "import os, signal, time\nos.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(5)",
     "kill_group": "import os, signal\nos.killpg(0, signal.SIGKILL)",
     "setsid_escape": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)",
 }
