@@ -25,6 +25,15 @@ _NUMBER = re.compile(
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
 _ABS_TOL = Fraction(1, 10**6)
+# Two numbers joined by an arithmetic operator: the computation restated, not its result.
+_UNEVALUATED = re.compile(
+    r"\d[\s)}]*(?:[-+*^\u00d7\u00f7\u2212]|\\times|\\cdot|\\div)[\s({]*[-\u2212]?\d"
+)
+# ...except scientific notation, which is a number: 3 \times 10^{2}, 1.5 * 10^-3.
+_SCIENTIFIC = re.compile(
+    r"[-\u2212]?\d+(?:\.\d+)?\s*(?:\\times|\\cdot|\u00d7|\*)\s*10\s*\^\s*"
+    r"(?:\{\s*[-\u2212]?\d+\s*\}|[-\u2212]?\d+)"
+)
 # math-verify's own limits (whole seconds: signal.alarm); a legitimate answer takes milliseconds.
 _PARSE_TIMEOUT_S = 3
 _VERIFY_TIMEOUT_S = 3
@@ -141,16 +150,32 @@ def _symbolic_match(pred: str, gold: str) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=verify_s))
 
 
+def unevaluated(pred: str) -> bool:
+    r"""Whether ``pred`` joins numbers with an arithmetic operator (scientific notation aside):
+    a restated computation such as ``4 + 4`` rather than its result.
+
+    >>> unevaluated("4 + 4"), unevaluated(r"2 \times 3"), unevaluated(r"\frac{4+4}{2}")
+    (True, True, True)
+    >>> unevaluated("-8"), unevaluated(r"\frac{1}{2}"), unevaluated(r"3 \times 10^{2}")
+    (False, False, False)
+    """
+    text = pred.strip()
+    return bool(_UNEVALUATED.search(text)) and not _SCIENTIFIC.fullmatch(text)
+
+
 def answers_match(pred: str, gold: str) -> bool:
     r"""Whether ``pred`` is equivalent to ``gold``; never raises, returns False on odd input.
 
     Plain numbers compare exactly up to an absolute tolerance of 1e-6; anything else goes
-    through math-verify.
+    through math-verify. When the gold answer is a plain number, a prediction that is an
+    unevaluated computation (``unevaluated``: ``4 + 4`` for 8) does not match, although
+    math-verify would simplify it: otherwise a policy learns to box the question's own
+    arithmetic instead of answering it (this project's rule, seen on one-digit addition).
 
     >>> answers_match("10.0", "10"), answers_match("\u22124", "-4"), answers_match("3", "4")
     (True, True, False)
-    >>> answers_match(r"\frac{1}{2}", "0.5")
-    True
+    >>> answers_match(r"\frac{1}{2}", "0.5"), answers_match("4 + 4", "8")
+    (True, False)
     """
     try:
         pred, gold = str(pred).strip(), str(gold).strip()
@@ -161,6 +186,8 @@ def answers_match(pred: str, gold: str) -> bool:
         pred_value, gold_value = _as_number(pred), _as_number(gold)
         if pred_value is not None and gold_value is not None:
             return abs(pred_value - gold_value) <= _ABS_TOL
+        if gold_value is not None and unevaluated(pred):
+            return False
         return _symbolic_match(pred, gold)
     except Exception:  # a grader crash on model output must not stop training
         return False

@@ -77,6 +77,16 @@ def test_last_number(text: str, expected: str | None) -> None:
         ("", "1", False),
         ("1/0", "1", False),
         ("{", "2", False),  # unparsable input never raises
+        # the question's own arithmetic restated is not an answer to a numeric gold
+        ("4 + 4", "8", False),
+        ("9-1", "8", False),
+        (r"2 \times 4", "8", False),
+        ("2^3", "8", False),
+        (r"\frac{16}{2}", "8", True),  # a number written as a fraction is an answer
+        (r"3 \times 10^{2}", "300", True),  # scientific notation too
+        (r"2\sqrt{2}", "2.8284271", True),
+        ("x = 8", "8", True),
+        ("1 + x", "x + 1", True),  # a symbolic gold keeps math-verify's equivalence
     ],
 )
 def test_answers_match(pred: str, gold: str, expected: bool) -> None:
