@@ -2,8 +2,9 @@
 
 - ``AtomicCheckpointIO`` writes to a temporary file in the target's own directory, fsyncs and
   renames it over the target, so a kill mid-write leaves the previous file intact; it refuses a
-  checkpoint ``RLVRModule.on_save_checkpoint`` marked inconsistent, and names the newest readable
-  checkpoint when asked to load an unreadable one.
+  checkpoint ``RLVRModule.on_save_checkpoint`` marked inconsistent, names the newest readable
+  checkpoint when asked to load an unreadable one, and turns a write that a full disk or a file
+  size limit stopped into a ``CheckpointError`` that says so.
 - ``CheckpointGuard`` checks the checkpoint directories are writable before training and turns
   SIGINT/SIGTERM into a stop at a consistent point, exiting with ``128 + signum`` (130, 143).
 The CLI installs both by default.
@@ -13,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import logging
 import os
+import resource
+import shutil
 import signal
 import tempfile
 import threading
@@ -36,6 +40,8 @@ UNSAFE_KEY = "rlvr_unsafe"
 # Parts of a checkpoint taken live at save time; everything else can come from a snapshot.
 LIVE_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A failed checkpoint write with less free space than this is reported as a full disk.
+LOW_SPACE_BYTES = 64 * 2**20
 
 
 class CheckpointError(RuntimeError):
@@ -139,6 +145,48 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _size_text(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def _write_blocked(err: BaseException, directory: Path, written: int) -> tuple[str, str] | None:
+    """Why a checkpoint write failed and the fix, when the disk or a limit is to blame, else None.
+
+    torch's zip writer reports a failed write as a ``RuntimeError`` ("unexpected pos ...",
+    "file write failed") without the errno, so a write that failed with less than
+    ``LOW_SPACE_BYTES`` left on the disk counts as out of space, and one that failed within
+    1 MiB of the file size limit (RLIMIT_FSIZE) as stopped by it.
+    """
+    if not isinstance(err, Exception):
+        return None
+    code = err.errno if isinstance(err, OSError) else None
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    near_limit = size_limit != resource.RLIM_INFINITY and written + 2**20 >= size_limit
+    if code == errno.EFBIG or near_limit:
+        return (
+            f"the file size limit (ulimit -f) stopped it after {_size_text(written)}",
+            "raise the limit (ulimit -f unlimited)",
+        )
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if code in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < LOW_SPACE_BYTES):
+        left = "" if free is None else f", {_size_text(free)} left"
+        return (
+            f"no space left on the disk of {directory} (wrote {_size_text(written)}{left})",
+            "free space, or point the ModelCheckpoint's dirpath at a disk with room",
+        )
+    return None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a temporary file beside the target, fsync, ``os.replace``.
 
@@ -175,10 +223,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as err:
+            written = _file_size(tmp)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise
+            blocked = _write_blocked(err, path.parent, written)
+            if blocked is None:
+                raise
+            reason, fix = blocked
+            kept = "the file it would replace is intact; " if path.exists() else ""
+            newest = newest_good([path.parent])
+            then = f"resume with --ckpt_path {newest}" if newest else "run again"
+            raise CheckpointError(
+                f"Checkpoint {path} could not be written: {reason}.\n"
+                f"Nothing was overwritten: {kept}{describe_newest([path.parent])}.\n"
+                f"Fix: {fix}, then {then}."
+            ) from err
         _fsync_dir(path.parent)
 
     @override

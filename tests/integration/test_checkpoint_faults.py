@@ -5,6 +5,8 @@ is on disk is one consistent state (or nothing)."""
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import torch
 import yaml
 
 from rlvr_lightning import checkpointing
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli import build_cli, main
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -217,6 +219,52 @@ def test_a_kill_mid_write_keeps_the_previous_file_and_writes_beside_it(tmp_path,
     assert target.read_bytes() == before
     assert written_to, "the temporary file was not written beside the target"
     assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
+
+
+def test_a_full_disk_stops_the_cli_naming_the_disk_and_the_newest_good_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    real_save, saves = torch.save, []
+
+    def save_until_full(obj, f):  # two files fit (step 1 and last), then the disk is full
+        saves.append(1)
+        if len(saves) <= 2:
+            return real_save(obj, f)
+        f.write(b"partial")  # what torch's zip writer reports when a write comes up short:
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(checkpointing.torch, "save", save_until_full)
+    monkeypatch.setattr(
+        checkpointing.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9, 2**20)
+    )
+    args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
+    args += ["--trainer.max_steps=3", "--trainer.limit_val_batches=0"]
+    with pytest.raises(SystemExit) as stop:
+        main([*args, *ckpt_flags(tmp_path / "c", every=1)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1, err
+    assert "CheckpointError: Checkpoint" in err and "could not be written: no space left" in err
+    assert "the newest good checkpoint is" in err and "--ckpt_path" in err
+    good = Path(err.split("the newest good checkpoint is ")[1].split(".ckpt.")[0] + ".ckpt")
+    assert torch.load(good, weights_only=False)["global_step"] == 1
+    assert not list((tmp_path / "c").glob(".*.tmp")), "a temporary file was left behind"
+
+
+def test_a_file_size_limit_is_named_when_it_stops_a_checkpoint(tmp_path):
+    exe = Path(sys.executable).parent / "rlvr-lightning"
+    cmd = [str(exe), "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
+    cmd += ["--trainer.max_steps=2", "--trainer.limit_val_batches=0"]
+    cmd += ckpt_flags(tmp_path / "c", every=1)
+    limit = 64 * 1024  # below the tiny model's checkpoint, above everything else the run writes
+
+    def limit_writes() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limit_writes)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the file size limit (ulimit -f) stopped it" in proc.stderr, proc.stderr[-3000:]
+    assert "no good checkpoint was found" in proc.stderr
+    assert not list((tmp_path / "c").glob(".*.tmp")), "a temporary file was left behind"
 
 
 def test_saving_over_a_last_link_replaces_the_link_not_its_target(tmp_path):
