@@ -127,7 +127,8 @@ def trainer_forward(
     was_training = model.training
     model.eval()
     try:
-        for idx in group_microbatches(groups, micro_batch_size):
+        lengths = rollouts.completion_mask.sum(-1)  # [N]
+        for idx in group_microbatches(groups, micro_batch_size, lengths):
             mask = rollouts.completion_mask[idx]  # [m, T]
             fwd = completion_forward(
                 model,
