@@ -50,6 +50,12 @@ _FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
         "(or lightning.pytorch.callbacks.{0}).",
     ),
     (
+        re.compile(r"Expected a str$", re.M),
+        "a command-line value with ': ' in it is read as a YAML mapping; quote the text inside "
+        "its parent's mapping, e.g. --data.init_args=\"{{instruction: 'Answer: in \\boxed{{}}'}}\" "
+        "(or set it in the --config YAML).",
+    ),
+    (
         re.compile(r"not accepted|not expected|Unrecognized arguments|Unexpected|invalid choice"),
         f"check the spelling and nesting of the key: {_MODEL_KEYS}, {_DATA_KEYS}, "
         "`--print_config` a full YAML.",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import main, silence_library_noise
+from rlvr_lightning.cli import build_cli, main, silence_library_noise
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -87,6 +87,7 @@ BAD_YAML = "model:\n  init_args:\n    lr_typo: 1.0\n"
         (["--model.init_args.sampling.group_size=1"], 1, "group_size must be >= 2"),
         (["--model.init_args.sampling.max_new_tokens=0"], 1, "max_new_tokens is 0; use >= 1"),
         (["--data.init_args.source=empty.jsonl"], 1, "empty.jsonl: holds no rows"),
+        (["--data.init_args.instruction=Note: be brief"], 2, "is read as a YAML mapping"),
     ],
 )
 def test_bad_input_is_reported_in_a_few_lines(tmp_path, monkeypatch, capsys, extra, code, expected):
@@ -96,6 +97,14 @@ def test_bad_input_is_reported_in_a_few_lines(tmp_path, monkeypatch, capsys, ext
     err = _fails(capsys, "fit", "--config", CONFIG, *extra, code=code)
     assert err.startswith("rlvr-lightning fit: error")
     assert expected in err and "RLVR_TRACEBACK=1" in err
+
+
+def test_text_with_a_colon_goes_through_the_mapping_the_fix_names():
+    cli = build_cli(
+        ["--config", CONFIG, "--data.init_args={instruction: 'Answer: in \\boxed{}'}"],
+        run=False,
+    )
+    assert cli.datamodule.instruction == "Answer: in \\boxed{}"
 
 
 def test_the_full_traceback_is_behind_an_environment_variable(monkeypatch):
