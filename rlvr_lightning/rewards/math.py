@@ -61,18 +61,16 @@ def _closing_braces(text: str, start: int) -> dict[int, int]:
     return pairs
 
 
-def extract_boxed(text: str) -> str | None:
-    r"""Content of the last top-level ``\boxed{...}`` (or ``\fbox{...}``), None if there is none.
+def boxed_contents(text: str) -> list[str]:
+    r"""Contents of every top-level ``\boxed{...}`` (or ``\fbox{...}``), in order.
 
     Braces are matched, so nested groups such as ``\frac{1}{2}`` stay whole; a box without its
-    closing brace is ignored.
+    closing brace is ignored, and a box nested inside another is part of the outer one.
 
-    >>> extract_boxed(r"so \boxed{1} or rather \boxed {\frac{1}{2}}")
-    '\\frac{1}{2}'
-    >>> extract_boxed("no box") is None
-    True
+    >>> boxed_contents(r"so \boxed{1} or rather \boxed {\frac{1}{2}}")
+    ['1', '\\frac{1}{2}']
     """
-    found, pos, pairs = None, 0, None
+    found, pos, pairs = [], 0, None
     while (match := _BOX_OPEN.search(text, pos)) is not None:
         # A box's "{" never follows a backslash, so matching from the first box on is exact.
         pairs = _closing_braces(text, match.end() - 1) if pairs is None else pairs
@@ -80,9 +78,40 @@ def extract_boxed(text: str) -> str | None:
         if end is None:
             pos = match.end()
             continue
-        # Continue after the closing brace so a box nested inside this one never wins.
-        found, pos = text[match.end() : end], end + 1
+        # Continue after the closing brace so a box nested inside this one is not counted.
+        found.append(text[match.end() : end])
+        pos = end + 1
     return found
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""Content of the last top-level ``\boxed{...}`` (or ``\fbox{...}``), None if there is none.
+
+    >>> extract_boxed(r"so \boxed{1} or rather \boxed {\frac{1}{2}}")
+    '\\frac{1}{2}'
+    >>> extract_boxed("no box") is None
+    True
+    """
+    found = boxed_contents(text)
+    return found[-1] if found else None
+
+
+def committed_boxed(text: str) -> str | None:
+    r"""The last box's content when every box of ``text`` gives the same answer, else None.
+
+    Boxes that disagree are a hedge (``\boxed{2} = \boxed{4} = \boxed{8}``): the grader would
+    otherwise reward listing candidates, and a policy learns to (this project's rule, seen on
+    one-digit addition). Repeating the answer, or restating it in another form, is fine.
+
+    >>> committed_boxed(r"\boxed{4}, so \boxed{4.0}"), committed_boxed(r"\boxed{2} = \boxed{8}")
+    ('4.0', None)
+    """
+    found = boxed_contents(text)
+    if not found:
+        return None
+    last = found[-1]
+    others = {box.strip() for box in found[:-1]} - {last.strip()}
+    return last if all(answers_match(box, last) for box in others) else None
 
 
 def last_number(text: str) -> str | None:
@@ -207,19 +236,21 @@ def boxed_accuracy(
 ) -> list[float | None]:
     r"""1.0 when the last ``\boxed{}`` matches ``answer``, else 0.0; None without a gold answer.
 
-    Strict: an answer given outside a box scores 0.0.
+    Strict: an answer given outside a box scores 0.0, and so do boxes that disagree with each
+    other (``committed_boxed``).
 
     >>> boxed_accuracy([r"\boxed{42}", "42", r"\boxed{7}"], answer=["#### 42", "42", None])
     [1.0, 0.0, None]
     """
-    return [_score(extract_boxed(c), a) for c, a in zip(completions, answer, strict=True)]
+    return [_score(committed_boxed(c), a) for c, a in zip(completions, answer, strict=True)]
 
 
 @run_in_process(preload=["math_verify"])
 def answer_accuracy(
     completions: list[str], answer: Sequence[object], **_: object
 ) -> list[float | None]:
-    r"""1.0 when the boxed answer, or failing that the last number, matches ``answer``.
+    r"""1.0 when the boxed answer (``committed_boxed``), or without a box the last number,
+    matches ``answer``.
 
     None for rows without a gold answer.
 
@@ -231,5 +262,6 @@ def answer_accuracy(
 
 
 def _boxed_or_last_number(text: str) -> str | None:
-    boxed = extract_boxed(text)
-    return boxed if boxed is not None else last_number(text)
+    if _BOX_OPEN.search(text) and boxed_contents(text):
+        return committed_boxed(text)  # a hedge between boxes is not rescued by the last number
+    return last_number(text)

@@ -93,6 +93,15 @@ def test_answers_match(pred: str, gold: str, expected: bool) -> None:
     assert answers_match(pred, gold) is expected
 
 
+def test_boxes_that_disagree_are_a_hedge_and_score_zero() -> None:
+    hedges = [r"4 + 4 = \boxed{2} = \boxed{4} = \boxed{8}", r"\boxed{7} or \boxed{8}"]
+    agreed = [r"\boxed{8}. So the answer is \boxed{8}.", r"\boxed{8.0}, i.e. \boxed{8}"]
+    answers = ["8"] * 4
+    assert boxed_accuracy(hedges + agreed, answer=answers) == [0.0, 0.0, 1.0, 1.0]
+    assert answer_accuracy(hedges + agreed, answer=answers) == [0.0, 0.0, 1.0, 1.0]
+    assert answer_accuracy(["so 4 + 4 = 8"], answer=["8"]) == [1.0]  # no box: the last number
+
+
 def test_normalize_gold() -> None:
     assert normalize_gold("Natalia sold 48/2 = 24 clips.\n#### 1,234") == "1234"
     assert normalize_gold(r"so \boxed{\frac{3}{4}}") == r"\frac{3}{4}"
