@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from rlvr_lightning.data.sources import plain_text
+from rlvr_lightning.precision import weights_cast_once
 from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
 from rlvr_lightning.rollout.factory import build_engine, engine_dtype
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling
@@ -70,9 +71,14 @@ class GenerationStage(pl.LightningModule):
             temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
         ids, mask = self.encode_prompts(batch)
         self.sync_engine()
-        return self.engine.generate(
-            ids, mask, sampling, temperatures, position_temperatures=batch.position_temperatures
-        )
+        with weights_cast_once(self.device.type):  # the weights are fixed while it decodes
+            return self.engine.generate(
+                ids,
+                mask,
+                sampling,
+                temperatures,
+                position_temperatures=batch.position_temperatures,
+            )
 
     def sync_engine(self) -> None:
         """Load the policy's weights into an engine that holds its own copy (vLLM), once per

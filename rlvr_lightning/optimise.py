@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 
 from rlvr_lightning import correction, ranks
+from rlvr_lightning.precision import weights_cast_once
 from rlvr_lightning.types import Scored
 
 
@@ -42,17 +43,18 @@ class UpdateStage(pl.LightningModule):
             perm = rows[torch.randperm(rows.numel(), device=rows.device)]
             for mb in torch.tensor_split(perm, min(h.minibatches_per_rollout, most_rows)):
                 opt.zero_grad(set_to_none=True)
-                loss, m = self.updater.accumulate(
-                    self.policy,
-                    scored.rollouts,
-                    advantages,
-                    mb,
-                    self.reference_logprobs,
-                    self.manual_backward,
-                    mean_over_ranks=self._mean_over_ranks,
-                    no_sync=lambda: ranks.no_backward_sync(self.trainer.strategy),
-                    value=value,
-                )
+                with weights_cast_once(self.device.type):  # ends before opt.step()
+                    loss, m = self.updater.accumulate(
+                        self.policy,
+                        scored.rollouts,
+                        advantages,
+                        mb,
+                        self.reference_logprobs,
+                        self.manual_backward,
+                        mean_over_ranks=self._mean_over_ranks,
+                        no_sync=lambda: ranks.no_backward_sync(self.trainer.strategy),
+                        value=value,
+                    )
                 metrics = {**m, "loss": loss}
                 # A finite loss can still give NaN/inf gradients (e.g. a huge lr); under DDP
                 # they are all-reduced already, so every rank takes the same decision.
@@ -115,21 +117,23 @@ class UpdateStage(pl.LightningModule):
                 # the update's forwards run on π_old's weights: no separate pass needed
                 r = correction.deferred_trainer_logprobs(r, base)
                 return dataclasses.replace(scored, rollouts=r), {}
-            r, stats = correction.with_trainer_logprobs(
-                self.policy,
-                r,
-                h.micro_batch_size,
-                base,
-                h.rollout_correction_cap,
-                self.value_head,
-                chunk,
-                self.probe_head,
-            )
+            with weights_cast_once(self.device.type):
+                r, stats = correction.with_trainer_logprobs(
+                    self.policy,
+                    r,
+                    h.micro_batch_size,
+                    base,
+                    h.rollout_correction_cap,
+                    self.value_head,
+                    chunk,
+                    self.probe_head,
+                )
             metrics = {f"mismatch/{k}": v for k, v in stats.items()}
         elif heads:
-            _, values, features = correction.trainer_forward(
-                self.policy, r, h.micro_batch_size, self.value_head, chunk, self.probe_head
-            )
+            with weights_cast_once(self.device.type):
+                _, values, features = correction.trainer_forward(
+                    self.policy, r, h.micro_batch_size, self.value_head, chunk, self.probe_head
+                )
             r, metrics = dataclasses.replace(r, old_values=values, probe_features=features), {}
         else:
             return scored, {}

@@ -1,0 +1,46 @@
+"""Several optimiser steps inside one bf16-mixed training step.
+
+The update casts each weight once per optimiser step (``precision.weights_cast_once``): autocast
+then keeps the cast copies, so unless the cache is dropped at every optimiser step the second
+mini-batch's forward would run on the first one's weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlvr_lightning import RLVRModule
+from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.testing import digit_fraction, quiet_trainer
+from rlvr_lightning.types import Sampling
+from rlvr_lightning.update import PolicyUpdate
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_each_optimiser_step_of_a_rollout_sees_the_previous_steps_weights(monkeypatch, precision):
+    torch.manual_seed(0)
+    module = RLVRModule(
+        "tiny:0",
+        reward_fns=[digit_fraction],
+        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+        micro_batch_size=8,
+        lr=1e-2,
+        minibatches_per_rollout=2,
+    )
+    linear = module.policy.model.layers[0].mlp.up_proj  # a matmul: autocast casts its weight
+    probe = torch.ones(1, linear.in_features)
+    seen = []
+    micro_loss = PolicyUpdate._micro_loss
+
+    def spy(self, *args, **kwargs):
+        with torch.no_grad():  # where the update's own forwards run, under the same autocast
+            seen.append((linear(probe).float(), linear.weight.detach().clone()))
+        return micro_loss(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyUpdate, "_micro_loss", spy)
+    data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+    quiet_trainer(max_steps=1, precision=precision).fit(module, datamodule=data)
+    (first, w_first), (second, w_second) = seen  # two mini-batches, two optimiser steps
+    assert not torch.equal(w_first, w_second), "the first optimiser step changed nothing"
+    assert not torch.equal(first, second), "the second mini-batch ran on stale weights"
