@@ -127,8 +127,7 @@ def trainer_forward(
     was_training = model.training
     model.eval()
     try:
-        lengths = rollouts.completion_mask.sum(-1)  # [N]
-        for idx in group_microbatches(groups, micro_batch_size, lengths):
+        for idx in group_microbatches(groups, micro_batch_size):
             mask = rollouts.completion_mask[idx]  # [m, T]
             fwd = completion_forward(
                 model,

@@ -25,25 +25,16 @@ from rlvr_lightning.ops import entropy_from_logits, logprobs_from_logits
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def group_microbatches(
-    groups: torch.Tensor, size: int, lengths: torch.Tensor | None = None
-) -> list[torch.Tensor]:
+def group_microbatches(groups: torch.Tensor, size: int) -> list[torch.Tensor]:
     """Split positions ``0..n-1`` into micro-batches of at most ``size`` rows, whole groups kept
     together where possible, so rows sharing a prompt encode it once (``share_prompts``).
 
     Args:
-        groups: ``[n]`` group (prompt) index of each row (non-negative).
-        lengths: ``[n]`` completion lengths; when given, groups are ordered by their longest
-            completion, longest first, so the groups sharing a micro-batch (which is padded to
-            its longest row) have similar lengths and little padding.
+        groups: ``[n]`` group (prompt) index of each row.
     """
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}.")
     order = torch.argsort(groups, stable=True)  # [n]
-    if lengths is not None and len(groups):
-        longest = lengths.new_zeros(int(groups.max()) + 1)  # [g]
-        longest.scatter_reduce_(0, groups, lengths, "amax")
-        order = order[torch.argsort(-longest[groups[order]], stable=True)]  # ties: group order
     return list(torch.split(order, size))
 
 

@@ -116,8 +116,7 @@ class PolicyUpdate:
         local_tokens = agg_units(masks[rows], "token-mean")
         mean_tokens = reduce(local_tokens) if value is not None else 0.0
         groups = rows // rollouts.group_size  # [n]
-        lengths = masks[rows].sum(-1)  # [n]
-        micros = [rows[m] for m in group_microbatches(groups, self.micro_batch_size, lengths)]
+        micros = [rows[m] for m in group_microbatches(groups, self.micro_batch_size)]
         micros = [idx for idx in micros if agg_units(masks[idx], self.agg_mode) > 0]
         loss_share, value_share, sums, pairs = 0.0, 0.0, {}, []
         for i, idx in enumerate(micros):

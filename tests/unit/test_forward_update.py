@@ -15,16 +15,6 @@ def test_microbatches_keep_groups_together():
     assert [b.tolist() for b in batches] == [[1, 3], [2, 5], [0, 4]]
 
 
-def test_microbatches_pair_groups_of_similar_length_longest_first():
-    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-    lengths = torch.tensor([5, 30, 7, 6, 28, 2, 9, 1])  # longest per group: 30, 7, 28, 9
-    batches = group_microbatches(groups, 4, lengths)
-    assert [b.tolist() for b in batches] == [[0, 1, 4, 5], [6, 7, 2, 3]]
-    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
-    unsorted = sum(len(b) * int(lengths[b].max()) for b in group_microbatches(groups, 4))
-    assert (padded, unsorted) == (4 * 30 + 4 * 9, 4 * 30 + 4 * 28)
-
-
 def _rollouts(seed=0):
     model, tok = tiny_policy(seed=seed)
     tok.padding_side = "left"
