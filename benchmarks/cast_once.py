@@ -20,7 +20,26 @@ from contextlib import nullcontext
 
 import torch
 from generation import _prompts
-from update_padding import _pass
+
+
+def _update_pass(module, rollouts, micros) -> float:
+    """Seconds of one forward + backward of the mean token log-prob over ``micros``."""
+    from rlvr_lightning.forward import completion_forward
+
+    start = time.perf_counter()
+    for idx in micros:
+        mask = rollouts.completion_mask[idx].float()  # [m, T]
+        logp = completion_forward(
+            module.policy,
+            rollouts.prompt_ids[idx],
+            rollouts.prompt_mask[idx],
+            rollouts.completion_ids[idx],
+            rollouts.completion_mask[idx],
+            rollouts.temperature[idx],
+        ).logp  # [m, T]
+        (-(logp * mask).sum() / mask.sum()).backward()
+    module.policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,12 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     rollouts, _ = generate("per matmul")
     lengths = rollouts.completion_mask.sum(-1)  # [N]
     groups = torch.arange(len(lengths)) // args.group  # [N]
-    micros = group_microbatches(groups, args.micro, lengths)
+    micros = group_microbatches(groups, args.micro)
     print(f"completion lengths: mean {lengths.float().mean():.1f}, max {int(lengths.max())}")
 
     def update(name: str) -> float:
         with lightning_autocast, sides[name]():
-            return _pass(module, rollouts, micros, nullcontext())
+            return _update_pass(module, rollouts, micros)
 
     times: dict[tuple[str, str], list[float]] = {}
     for name in sides:  # warm-up, and the same tokens on both sides
