@@ -151,6 +151,9 @@ class VLLMEngine:
                 enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
                 logprobs_mode="processed_logprobs",
                 seed=seed,
+                # On CPU a prompt prefilled in chunks crashes a seeded request ("CPU Generator
+                # does not use offset": vLLM rewinds its generator for the discarded token).
+                enable_chunked_prefill=not on_cpu,
             )
         eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
