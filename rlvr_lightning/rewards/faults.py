@@ -17,6 +17,9 @@ from rlvr_lightning.rewards.isolation import run_in_process
 from rlvr_lightning.rewards.math import boxed_accuracy
 
 POWER_TOWER = r"\boxed{9^{9^{9}}}"  # sympy evaluates 9**387420489 when comparing it
+# Not a plain number, so the comparison reaches math-verify: against a plain "3" the unevaluated
+# power is refused at once (``rewards.math.unevaluated``).
+POWER_TOWER_GOLD = r"\sqrt{9}"
 
 
 def _announce(name: str) -> None:
@@ -44,9 +47,10 @@ def spin(completions: list[str], **_: object) -> list[float]:
 
 @run_in_process
 def power_tower(completions: list[str], **_: object) -> list[float | None]:
-    r"""``boxed_accuracy`` of ``\boxed{9^{9^{9}}}`` against the gold answer 3, for every row."""
+    r"""``boxed_accuracy`` of ``\boxed{9^{9^{9}}}`` against the gold ``\sqrt{9}``, every row."""
     _announce("power_tower")
-    return boxed_accuracy([POWER_TOWER] * len(completions), answer=["3"] * len(completions))
+    n = len(completions)
+    return boxed_accuracy([POWER_TOWER] * n, answer=[POWER_TOWER_GOLD] * n)
 
 
 @run_in_process

@@ -6,7 +6,8 @@ each rank writes ``OUT.<rank>.json``.
 ``PolicyUpdate.accumulate`` under a real ``DistributedDataParallel`` wrapper the way Lightning's
 manual optimisation does (backward inside the DDP forward, ``prepare_for_backward`` before each
 backward) and compares its gradients with one process on the union batch; rank 0 writes
-``OUT``. Both ranks end with ``os._exit`` after a barrier (see the end of ``grads``).
+``OUT``. Both scripts end every rank with ``os._exit`` after a barrier (see the end of
+``grads``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def fit(out: str) -> None:
     }
     with open(f"{out}.{trainer.global_rank}.json", "w") as f:
         json.dump(result, f)
+    # As in ``grads``: leave without tearing down. Destroying the gloo group at interpreter
+    # exit aborted a rank once ("terminate called without an active exception", rc -6).
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 class _Step(nn.Module):

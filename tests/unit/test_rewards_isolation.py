@@ -97,7 +97,9 @@ def test_spinning_reward_is_killed_and_does_not_slow_later_calls(workers: Reward
 
 def test_power_tower_costs_one_timeout(workers: RewardWorkers) -> None:
     combiner = RewardCombiner([boxed_accuracy], timeout_s=0.5, workers=workers)
-    result = combiner([faults.POWER_TOWER, r"\boxed{3}"], {"answer": ["3", "3"]})
+    result = combiner(
+        [faults.POWER_TOWER, r"\boxed{3}"], {"answer": [faults.POWER_TOWER_GOLD, "3"]}
+    )
     assert result.metrics["reward/boxed_accuracy/timeouts"] == 1.0
     again = combiner([r"\boxed{3}"], {"answer": ["3"]})
     assert again.per_function["boxed_accuracy"].tolist() == [1.0]
