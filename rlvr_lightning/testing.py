@@ -71,6 +71,22 @@ def digit_fraction(completions: list[str], **_: object) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
+def tiny_module(**overrides: object):
+    """An ``RLVRModule`` on ``tiny:0`` with the ``digit_fraction`` reward, 8 new tokens at
+    temperature 1 in groups of 4, micro-batches of 8 and lr 1e-3; ``overrides`` replace any
+    argument."""
+    from rlvr_lightning import RLVRModule
+    from rlvr_lightning.types import Sampling
+
+    kwargs: dict[str, object] = {
+        "reward_fns": [digit_fraction],
+        "sampling": Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+        "micro_batch_size": 8,
+        "lr": 1e-3,
+    }
+    return RLVRModule("tiny:0", **{**kwargs, **overrides})
+
+
 def quiet_trainer(**overrides: object) -> pl.Trainer:
     """A CPU ``Trainer`` for tests and benchmarks: no logger, checkpoints, progress bar, model
     summary or validation unless ``overrides`` turn them on."""

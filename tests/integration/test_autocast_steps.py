@@ -10,24 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.testing import digit_fraction, quiet_trainer
-from rlvr_lightning.types import Sampling
+from rlvr_lightning.testing import quiet_trainer, tiny_module
 from rlvr_lightning.update import PolicyUpdate
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_each_optimiser_step_of_a_rollout_sees_the_previous_steps_weights(monkeypatch, precision):
     torch.manual_seed(0)
-    module = RLVRModule(
-        "tiny:0",
-        reward_fns=[digit_fraction],
-        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
-        micro_batch_size=8,
-        lr=1e-2,
-        minibatches_per_rollout=2,
-    )
+    module = tiny_module(lr=1e-2, minibatches_per_rollout=2)
     linear = module.policy.model.layers[0].mlp.up_proj  # a matmul: autocast casts its weight
     probe = torch.ones(1, linear.in_features)
     seen = []

@@ -12,11 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.rollout.hf import HFEngine
-from rlvr_lightning.testing import digit_fraction, quiet_trainer
-from rlvr_lightning.types import Sampling
+from rlvr_lightning.testing import quiet_trainer, tiny_module
 
 OFFSET = 0.3
 
@@ -35,14 +33,7 @@ class OffsetEngine(HFEngine):
 
 def _fit(old_logprobs: str, precision: str = "bf16-mixed", separate_pass: bool = False):
     torch.manual_seed(0)
-    module = RLVRModule(
-        "tiny:0",
-        reward_fns=[digit_fraction],
-        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
-        micro_batch_size=8,
-        lr=1e-3,
-        old_logprobs=old_logprobs,
-    )
+    module = tiny_module(old_logprobs=old_logprobs)
     module._engine = OffsetEngine(module.policy, module.tokenizer)
     if separate_pass:  # π_old from its own no-grad pass, as for several optimiser steps
         module._one_step_per_rollout = lambda: False
