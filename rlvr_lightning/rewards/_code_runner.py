@@ -1,7 +1,8 @@
-# The sandbox runner of ``rewards/code.py``: executed as ``python -I -c <this file's text>``
-# inside the sandbox (never imported). It reads the job as JSON on stdin and prints one pass
-# flag per case; it forks one grandchild per case so the snippet never runs in the process that
-# reports, and in namespace mode it is PID 1: its exit takes every descendant with it.
+# The sandbox runner of ``rewards/code.py``, started by ``rewards/sandbox.py``: executed as
+# ``python -I -c <this file's text>`` inside the sandbox (never imported). It reads the job as
+# JSON on stdin and prints one pass flag per case; it forks one grandchild per case so the
+# snippet never runs in the process that reports, and in namespace mode it is PID 1: its exit
+# takes every descendant with it.
 import ctypes
 import json
 import os

@@ -45,41 +45,25 @@ import logging
 import math
 import os
 import re
-import select
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
+
+from rlvr_lightning.rewards.sandbox import (
+    SYSTEM_PATH,
+    Setup,
+    process_count,
+    run_sandbox,
+)
 
 logger = logging.getLogger(__name__)
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _NOBODY = 65534
-_GRACE_S = 3.0  # interpreter and namespace start-up on top of the row's deadline
-_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
-_NAMESPACE_ARGS = (
-    "--user",
-    "--map-root-user",
-    "--net",
-    "--pid",
-    "--fork",
-    "--kill-child",
-    "--mount",
-    "--mount-proc",
-)
 _MAX_OUTPUT = 1 << 20
-
-# Runs inside the sandbox as `python -I -c` (see the file's header); read once here, so the
-# sandbox user never needs access to the installed package.
-_RUNNER = (Path(__file__).parent / "_code_runner.py").read_text()
 
 Case = tuple[str | None, str | None, str | None]  # (test code, stdin, expected stdout)
 
@@ -122,69 +106,6 @@ def parse_tests(tests: object) -> list[Case] | None:
     else:
         cases = [(str(t), None, None) for t in tests]
     return cases or None
-
-
-@dataclass(frozen=True)
-class _Setup:
-    """How this host runs sandboxes, decided once per reward object."""
-
-    python: str
-    namespaces: bool
-
-
-def _process_count(uid: int) -> int:
-    """Processes on this host whose real uid is ``uid`` (racy; only sizes RLIMIT_NPROC)."""
-    count = 0
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/status") as status:
-                count += any(
-                    line.split()[1:2] == [str(uid)] for line in status if line[:4] == "Uid:"
-                )
-        except (OSError, IndexError):
-            continue
-    return count
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session ``sid``, read from ``/proc``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if entry.isdigit() and fields[0] != "Z" and fields[3] == str(sid):
-            members.append(int(entry))
-    return members
-
-
-def _kill_session(sid: int, patience_s: float = 2.0) -> None:
-    """SIGKILL every process of the sandbox's session and wait until each has exited.
-
-    Killing the runner's process group is not enough: each test case runs in a group of its
-    own, and a snippet that kills the runner is orphaned, so it would outlive the row.
-    """
-    deadline = time.monotonic() + patience_s
-    while time.monotonic() < deadline:
-        handles = []
-        for pid in _session_members(sid):
-            try:
-                handle = os.pidfd_open(pid)
-            except OSError:  # exited meanwhile
-                continue
-            try:
-                signal.pidfd_send_signal(handle, signal.SIGKILL)
-            except OSError:
-                os.close(handle)
-                continue
-            handles.append(handle)
-        if not handles:
-            return
-        for handle in handles:  # a pidfd turns readable when its process has exited
-            select.select([handle], [], [], max(0.0, deadline - time.monotonic()))
-            os.close(handle)
 
 
 class CodeTestsReward:
@@ -244,7 +165,7 @@ class CodeTestsReward:
         self.max_workers = max_workers or os.cpu_count() or 1
         self.hidden_paths = ("/tmp", "/var/tmp", "/dev/shm", *hidden_paths)
         self.uid = _NOBODY if os.geteuid() == 0 else None  # None: stay who we are
-        self._setup: _Setup | None = None
+        self._setup: Setup | None = None
         self._lock = threading.Lock()
 
     @staticmethod
@@ -282,33 +203,33 @@ class CodeTestsReward:
     def run(self, code: str, cases: list[Case]) -> list[bool]:
         """One pass flag per case; all False when the sandbox dies or misses its deadline."""
         setup = self.setup()
-        return _run_sandbox(
+        return run_sandbox(
             setup, self._job(code, cases, setup.namespaces), self.uid, self.timeout_s
         ) or [False] * len(cases)
 
-    def setup(self) -> _Setup:
+    def setup(self) -> Setup:
         """Pick the interpreter and the isolation mode on first use (probes run a sandbox)."""
         with self._lock:
             if self._setup is None:
                 self._setup = self._probe()
             return self._setup
 
-    def _probe(self) -> _Setup:
+    def _probe(self) -> Setup:
         probe: list[Case] = [("assert x == 1", None, None)]
         candidates = (
             [self.python]
             if self.python
-            else [sys.executable, shutil.which("python3", path=_SYSTEM_PATH)]
+            else [sys.executable, shutil.which("python3", path=SYSTEM_PATH)]
         )
         for python in filter(None, candidates):
-            if _run_sandbox(
-                _Setup(python, False), self._job("x = 1", probe, False), self.uid, 10.0
+            if run_sandbox(
+                Setup(python, False), self._job("x = 1", probe, False), self.uid, 10.0
             ) != [True]:
                 continue
             if self.isolation != "rlimits":
                 job = self._job("x = 1", probe, True)
-                if _run_sandbox(_Setup(python, True), job, self.uid, 10.0) == [True]:
-                    return _Setup(python, True)
+                if run_sandbox(Setup(python, True), job, self.uid, 10.0) == [True]:
+                    return Setup(python, True)
             if self.isolation == "namespaces":
                 raise RuntimeError(
                     "CodeTestsReward(isolation='namespaces'): `unshare --user --net --pid --mount` "
@@ -321,7 +242,7 @@ class CodeTestsReward:
                 "reach the network and read the files of user %s.",
                 self.uid or os.geteuid(),
             )
-            return _Setup(python, False)
+            return Setup(python, False)
         raise RuntimeError(
             f"CodeTestsReward: none of the interpreters {candidates} runs in the sandbox as uid "
             f"{self.uid or os.geteuid()}. Pass python= an interpreter that user can execute."
@@ -330,7 +251,7 @@ class CodeTestsReward:
     def _job(self, code: str, cases: list[Case], namespaces: bool) -> dict[str, Any]:
         nproc = self.max_processes
         if not namespaces:
-            nproc += _process_count(os.geteuid() if self.uid is None else self.uid)
+            nproc += process_count(os.geteuid() if self.uid is None else self.uid)
         mib = 1 << 20
         return {
             "code": code,
@@ -356,43 +277,6 @@ class CodeTestsReward:
             f"{type(self).__name__}(mode={self.mode!r}, timeout_s={self.timeout_s}, "
             f"case_timeout_s={self.case_timeout_s}, isolation={self.isolation!r})"
         )
-
-
-def _command(setup: _Setup) -> list[str]:
-    runner = [setup.python, "-I", "-c", _RUNNER]
-    return ["unshare", *_NAMESPACE_ARGS, "--", *runner] if setup.namespaces else runner
-
-
-def _run_sandbox(
-    setup: _Setup, job: dict[str, Any], uid: int | None, timeout_s: float
-) -> list[bool] | None:
-    """Run ``job`` in a fresh sandbox; the runner's pass flags, or None if it gave none."""
-    workdir = tempfile.mkdtemp(prefix="rlvr-code-")
-    env = {"PATH": _SYSTEM_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-    if setup.namespaces:
-        env.update(HOME="/tmp", TMPDIR="/tmp")
-    ids: dict[str, Any] = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
-    try:
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        proc = subprocess.Popen(
-            _command(setup), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, cwd=workdir, env=env, start_new_session=True, **ids,
-        )  # fmt: skip
-        try:
-            out, _ = proc.communicate(json.dumps(job).encode(), timeout=timeout_s + _GRACE_S)
-        except subprocess.TimeoutExpired:
-            out = b""
-        finally:
-            _kill_session(proc.pid)  # start_new_session: the session id is the pid
-            proc.wait()
-        flags = json.loads(out) if proc.returncode == 0 and out else None
-    except (OSError, ValueError):
-        return None
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    valid = isinstance(flags, list) and len(flags) == len(job["cases"])
-    return [bool(f) for f in flags] if valid else None
 
 
 @functools.cache
