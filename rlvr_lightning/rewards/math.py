@@ -106,11 +106,15 @@ def committed_boxed(text: str) -> str | None:
     >>> committed_boxed(r"\boxed{4}, so \boxed{4.0}"), committed_boxed(r"\boxed{2} = \boxed{8}")
     ('4.0', None)
     """
-    found = boxed_contents(text)
-    if not found:
+    return _agreed(boxed_contents(text))
+
+
+def _agreed(boxes: list[str]) -> str | None:
+    """The last of ``boxes`` when every other one matches it, else None (also when empty)."""
+    if not boxes:
         return None
-    last = found[-1]
-    others = {box.strip() for box in found[:-1]} - {last.strip()}
+    last = boxes[-1]
+    others = {box.strip() for box in boxes[:-1]} - {last.strip()}
     return last if all(answers_match(box, last) for box in others) else None
 
 
@@ -262,6 +266,5 @@ def answer_accuracy(
 
 
 def _boxed_or_last_number(text: str) -> str | None:
-    if _BOX_OPEN.search(text) and boxed_contents(text):
-        return committed_boxed(text)  # a hedge between boxes is not rescued by the last number
-    return last_number(text)
+    boxes = boxed_contents(text)  # a hedge between boxes is not rescued by the last number
+    return _agreed(boxes) if boxes else last_number(text)
