@@ -8,6 +8,7 @@ model's own head and its full logits.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,13 @@ from torch import nn
 from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
 from rlvr_lightning.layer_states import capture_layer, prompt_response_means
 from rlvr_lightning.ops import entropy_from_logits, logprobs_from_logits
+
+try:  # cache layers that replace their tensors on update (copyable per bucket, see _cache_rows)
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    _COPYABLE_LAYERS: tuple[type, ...] = (DynamicLayer, DynamicSlidingWindowLayer)
+except ImportError:  # older transformers: no per-layer cache objects, one completion pass
+    _COPYABLE_LAYERS = ()
 
 # Config fields of models whose logits are not the head's output (Gemma 2/3 soft-capping,
 # Cohere's logit_scale, Granite's logits_scaling): the bypassed head would skip them.
@@ -36,6 +44,38 @@ def group_microbatches(groups: torch.Tensor, size: int) -> list[torch.Tensor]:
         raise ValueError(f"micro-batch size must be >= 1, got {size}.")
     order = torch.argsort(groups, stable=True)  # [n]
     return list(torch.split(order, size))
+
+
+# Fixed cost of one extra completion pass, in completion tokens (``length_buckets``): this
+# project's choice, measured on 2 CPU cores where a pass of a few rows costs about as much as
+# a few dozen more padded tokens; larger on a GPU, where padding is cheap and passes are not.
+BUCKET_PASS_TOKENS = 64
+
+
+def length_buckets(lengths: torch.Tensor, pass_tokens: int) -> list[torch.Tensor]:
+    """Positions ``0..n-1`` split into buckets of rows of similar length, each bucket padded
+    only to its own longest row: the split minimising ``sum(rows * longest) + pass_tokens *
+    buckets`` (the tokens run, plus ``pass_tokens`` per extra pass), found exactly over the
+    rows sorted by length. Buckets come shortest first; a bucket keeps the rows' sorted order.
+
+    Args:
+        lengths: ``[n]`` tokens of each row.
+        pass_tokens: fixed cost of one more pass, in tokens (>= 0).
+    """
+    order = torch.argsort(lengths, stable=True)  # [n]
+    ls = lengths[order].tolist()
+    n = len(ls)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):  # the last bucket is rows i..j-1 of the sorted order
+        for i in range(j):
+            cost = best[i] + (j - i) * ls[j - 1] + pass_tokens
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    spans, j = [], n
+    while j > 0:
+        spans.append((cut[j], j))
+        j = cut[j]
+    return [order[i:j] for i, j in reversed(spans)]
 
 
 def _trim(
@@ -131,6 +171,23 @@ def _check_bypassed(pieces: list[torch.Tensor], hidden: list[torch.Tensor]) -> N
         )
 
 
+def _copyable(cache: object) -> bool:
+    """Whether ``_cache_rows`` can copy ``cache``: all its layers are plain key/value layers
+    (``DynamicLayer``, ``DynamicSlidingWindowLayer``), which replace, never mutate, their
+    tensors, so a shallow copy is independent of the original."""
+    layers = getattr(cache, "layers", None)
+    return layers is not None and all(type(layer) in _COPYABLE_LAYERS for layer in layers)
+
+
+def _cache_rows(cache: object, rows: torch.Tensor) -> object:
+    """A copy of a ``_copyable`` ``cache`` holding its batch rows ``rows`` (differentiable
+    ``index_select``), the original untouched."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    out.reorder_cache(rows)
+    return out
+
+
 def _shared_prompt_logits(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -138,17 +195,23 @@ def _shared_prompt_logits(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     hidden: list[torch.Tensor],
-) -> list[torch.Tensor]:
-    """Logits predicting each completion token, running each prompt only once: a list of
-    ``[n, 1, V]`` (first token) and, when ``t > 1``, ``[n, t - 1, V]`` (the others). The LM
-    head's inputs captured in ``hidden`` (see ``lm_head_inputs``) are put in the same row order.
+    pass_tokens: int | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Logits predicting each completion token, running each prompt only once, and the rows
+    of the completion passes: ``([first, *rest], rows)``. ``first`` is ``[n, 1, V]`` (the
+    first token). With ``rows`` None, ``rest`` is one ``[n, t - 1, V]`` piece (when ``t > 1``);
+    otherwise piece ``i`` of ``rest`` is ``[len(rows[i]), t_i - 1, V]``, the completion pass of
+    the bucket ``rows[i]`` of rows of similar length (``length_buckets`` with ``pass_tokens``),
+    each padded only to its own longest row. The LM head's inputs captured in ``hidden`` (see
+    ``lm_head_inputs``) are the same pieces, ``first`` put in row order.
 
     The ``G`` rows of a group share their prompt, so the prompt is encoded once per distinct
     prompt and its key/value cache is gathered per row (``index_select`` keeps the gradient to
-    the prompt's activations). The logit predicting the first completion token comes from the
-    prompt's last position; the completion pass gives the rest. The last completion token is
-    never fed (its output would predict past the completion), and the pieces are not
-    concatenated, which would copy the largest tensor of the step.
+    the prompt's activations); every bucket reads the same prompt pass. The logit predicting
+    the first completion token comes from the prompt's last position; the completion passes
+    give the rest. The last completion token is never fed (its output would predict past the
+    completion), and the pieces are not concatenated, which would copy the largest tensor of
+    the step.
     """
     unique, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [u, p], [n]
     first = inverse.new_zeros(len(unique)).scatter_(0, inverse, torch.arange(len(inverse)))
@@ -163,24 +226,65 @@ def _shared_prompt_logits(
     pieces = [out.logits[inverse]]  # [n, 1, V]
     if hidden:
         hidden[0] = hidden[0][inverse]  # [n, 1, H]
-    t = completion_ids.shape[1]
-    if t == 1:
-        return pieces
+    lengths = completion_mask.sum(-1)  # [n]
+    if int(lengths.max()) <= 1:
+        return pieces, None
     cache = out[cache_kwarg(model)]
-    cache.reorder_cache(inverse)  # [u] -> [n] rows, differentiable (index_select)
-    attn = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [n, p + t - 1]
+    buckets = None
+    if pass_tokens is not None and _copyable(cache):
+        buckets = [b for b in length_buckets(lengths, pass_tokens) if int(lengths[b].max()) > 1]
+    if buckets is None or (len(buckets) == 1 and len(buckets[0]) == len(inverse)):
+        cache.reorder_cache(inverse)  # [u] -> [n] rows, differentiable (index_select)
+        rest = _completion_pass(model, cache, prompt_mask, completion_ids, completion_mask)
+        return [*pieces, rest], None
+    for rows in buckets:
+        t = int(lengths[rows].max())
+        pieces.append(
+            _completion_pass(
+                model,
+                _cache_rows(cache, inverse[rows]),
+                prompt_mask[rows],
+                completion_ids[rows, :t],
+                completion_mask[rows, :t],
+            )
+        )  # [len(rows), t - 1, V]
+    return pieces, buckets
+
+
+def _completion_pass(
+    model: nn.Module,
+    cache: object,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Logits ``[m, t - 1, V]`` predicting completion tokens ``1..t-1`` of ``m`` rows whose
+    prompts are in ``cache`` (one row each)."""
+    t = completion_ids.shape[1]
+    attn = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [m, p + t - 1]
     positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(
         t - 1, device=attn.device
-    )  # [n, t - 1]
-    rest = model(
+    )  # [m, t - 1]
+    return model(
         input_ids=completion_ids[:, :-1],
         attention_mask=attn,
         position_ids=positions,
         use_cache=True,
         **{cache_kwarg(model): cache},
         logits_to_keep=t - 1,
-    ).logits  # [n, t - 1, V]
-    return [*pieces, rest]
+    ).logits
+
+
+def _rows_assembled(
+    pieces: list[torch.Tensor], buckets: list[torch.Tensor], t: int
+) -> torch.Tensor:
+    """``[n, t, D]`` from ``[first, *bucket pieces]`` (see ``_shared_prompt_logits``), the
+    positions past each bucket's own length zero."""
+    first = pieces[0]  # [n, 1, D]
+    rest = first.new_zeros(first.shape[0], t - 1, first.shape[-1])  # [n, t - 1, D]
+    for rows, piece in zip(buckets, pieces[1:], strict=True):
+        rest[rows, : piece.shape[1]] = piece
+    return torch.cat([first, rest], dim=1)
 
 
 def _token_logprobs(
@@ -209,25 +313,32 @@ def _fused_logprobs(
     head: nn.Linear,
     states: torch.Tensor,
     labels: torch.Tensor,
+    mask: torch.Tensor,
     temperature: torch.Tensor,
     chunk_tokens: int,
     with_entropy: bool,
     entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) ``[n, t]`` of ``labels`` from the head's inputs ``states``
-    ``[n, t, H]``, ``chunk_tokens`` tokens at a time (``chunked_head.head_logprobs``)."""
+    ``[n, t, H]``, ``chunk_tokens`` tokens at a time (``chunked_head.head_logprobs``), for
+    the tokens of ``mask`` ``[n, t]`` only; 0 elsewhere."""
     n, t = labels.shape
+    keep = (mask.reshape(-1) > 0).nonzero().squeeze(-1)  # [M]
     logp, entropy = head_logprobs(
-        states.reshape(n * t, -1),
+        states.reshape(n * t, -1)[keep],
         head.weight,
         head.bias,
-        labels.reshape(-1),
-        temperature[:, None].expand(n, t).reshape(-1),
+        labels.reshape(-1)[keep],
+        temperature[:, None].expand(n, t).reshape(-1)[keep],
         chunk_tokens,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
-    )  # [n * t] each
-    return logp.view(n, t), None if entropy is None else entropy.view(n, t)
+    )  # [M] each
+
+    def scattered(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(n * t).index_put((keep,), x).view(n, t)
+
+    return scattered(logp), None if entropy is None else scattered(entropy)
 
 
 def _model_outputs(
@@ -238,11 +349,14 @@ def _model_outputs(
     cmask: torch.Tensor,
     hidden: list[torch.Tensor],
     share_prompts: bool,
-) -> list[torch.Tensor]:
+    pass_tokens: int | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The model's outputs predicting the completion tokens, ``[n, *, V]`` pieces in order
-    (``[n, *, H]`` with the head bypassed): shared prompts or one pass per row."""
+    (``[n, *, H]`` with the head bypassed), and the rows of each completion pass when the
+    completions ran in length buckets (see ``_shared_prompt_logits``), else None: shared
+    prompts or one pass per row."""
     if share_prompts:
-        return _shared_prompt_logits(model, pids, pmask, cids, cmask, hidden)
+        return _shared_prompt_logits(model, pids, pmask, cids, cmask, hidden, pass_tokens)
     attn = torch.cat([pmask, cmask[:, :-1]], dim=1)  # [n, p + t - 1]
     out = model(
         input_ids=torch.cat([pids, cids[:, :-1]], dim=1),
@@ -251,7 +365,7 @@ def _model_outputs(
         logits_to_keep=cids.shape[1],
         use_cache=False,
     )
-    return [out.logits]  # [n, t, V]
+    return [out.logits], None  # [n, t, V]
 
 
 def _piecewise_logprobs(
@@ -298,6 +412,7 @@ def completion_forward(
     value_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     layer_means: tuple[int, int] | None = None,
+    bucket_pass_tokens: int | None = BUCKET_PASS_TOKENS,
 ) -> CompletionForward:
     """Log-probs ``[n, T]`` of the completion tokens at the rows' sampling temperatures, and
     optionally their entropies and the values ``value_head(hidden)`` of the same forward.
@@ -311,7 +426,11 @@ def completion_forward(
     Position ids follow the attention mask, as in generation with left padding. The value of
     token ``t`` is read from the hidden state that predicts it (the state before the token).
     With ``head_chunk_tokens`` the LM head is bypassed (when ``fused_head`` allows) and the
-    log-probs come from its inputs, that many tokens at a time; None: the full logits.
+    log-probs come from its inputs, that many tokens at a time, for the completion tokens only
+    (padding is never sent through the head); None: the full logits. With the head bypassed
+    and shared prompts, the completions run in buckets of similar length
+    (``length_buckets(lengths, bucket_pass_tokens)``; None: one pass). Log-probs, entropies
+    and values are 0 on padding.
     """
     t_full = completion_ids.shape[1]
     p_start, t_end = _trim(prompt_ids, prompt_mask, completion_mask)
@@ -320,12 +439,17 @@ def completion_forward(
     head = None if head_chunk_tokens is None else fused_head(model)
     capture = value_head is not None or head is not None
     layer = None if layer_means is None else layer_means[0]
+    # Length buckets only where their pieces are hidden states (cheap to put back in row order)
+    # and no layer hook expects one completion pass.
+    pass_tokens = bucket_pass_tokens if head is not None and layer is None else None
     with (
         lm_head_inputs(model, enabled=capture) as hidden,
         _head_bypassed(head),
         capture_layer(model, layer) as layer_out,
     ):
-        pieces = _model_outputs(model, pids, pmask, cids, cmask, hidden, share_prompts)
+        pieces, buckets = _model_outputs(
+            model, pids, pmask, cids, cmask, hidden, share_prompts, pass_tokens
+        )
     means = None
     if layer_means is not None:
         means = prompt_response_means(layer_out, pids, pmask, cmask, share_prompts, layer_means[1])
@@ -334,14 +458,22 @@ def completion_forward(
             f"Expected one LM-head call per logits piece ({len(pieces)}), saw "
             f"{len(hidden)}: this model does not compute its logits in one head call."
         )
-    states = torch.cat(hidden, dim=1) if capture else None  # [n, t, H]
     if head is not None:
         _check_bypassed(pieces, hidden)
+    if not capture:
+        states = None
+    elif buckets is None:
+        states = torch.cat(hidden, dim=1)  # [n, t, H]
+    else:
+        states = _rows_assembled(hidden, buckets, cids.shape[1])  # [n, t, H]
+    if head is not None:
         logp, entropy = _fused_logprobs(
-            head, states, cids, temperature, head_chunk_tokens, with_entropy, entropy_grad
+            head, states, cids, cmask, temperature, head_chunk_tokens, with_entropy, entropy_grad
         )  # [n, t] each
     else:
         logp, entropy = _piecewise_logprobs(pieces, cids, temperature, with_entropy, entropy_grad)
+        logp = logp.masked_fill(cmask == 0, 0.0)  # [n, t]
+        entropy = None if entropy is None else entropy.masked_fill(cmask == 0, 0.0)
     pad = (0, t_full - t_end)
     logp = nn.functional.pad(logp, pad)  # [n, T]
     entropy = None if entropy is None else nn.functional.pad(entropy, pad)  # [n, T]
@@ -360,6 +492,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     share_prompts: bool = True,
     head_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    bucket_pass_tokens: int | None = BUCKET_PASS_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log-probs, entropies or None)``, each ``[n, T]``: ``completion_forward`` without
     values."""
@@ -374,5 +507,6 @@ def completion_logprobs(
         entropy_grad=entropy_grad,
         share_prompts=share_prompts,
         head_chunk_tokens=head_chunk_tokens,
+        bucket_pass_tokens=bucket_pass_tokens,
     )
     return out.logp, out.entropy

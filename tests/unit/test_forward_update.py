@@ -1,6 +1,6 @@
 import torch
 
-from rlvr_lightning.forward import completion_logprobs, group_microbatches
+from rlvr_lightning.forward import completion_logprobs, group_microbatches, length_buckets
 from rlvr_lightning.losses import ppo_clip_loss
 from rlvr_lightning.rollout.hf import HFEngine
 from rlvr_lightning.testing import tiny_policy
@@ -96,3 +96,49 @@ def test_completion_logprobs_ignores_extra_padding():
             r.temperature,
         )
     assert torch.allclose(lp * r.completion_mask, lp2 * r.completion_mask, atol=1e-5)
+
+
+def test_length_buckets_minimise_tokens_plus_passes():
+    lengths = torch.tensor([10, 2, 3, 9])
+    # sorted 2 3 9 10; with 5 tokens a pass: [2 3] [9 10] costs 6 + 20 + 10 = 36, one bucket
+    # 45, four 44, [2 3] [9] [10] 40, [2] [3] [9 10] 40
+    assert [b.tolist() for b in length_buckets(lengths, 5)] == [[1, 2], [3, 0]]
+    assert [b.tolist() for b in length_buckets(lengths, 100)] == [[1, 2, 3, 0]]
+    assert [b.tolist() for b in length_buckets(torch.tensor([4]), 0)] == [[0]]
+
+
+def test_length_buckets_give_the_one_pass_values_and_gradients():
+    """Rows of lengths 8, 1, 3, 0, 6, 2 over two prompts: bucketed passes (each padded to its
+    own longest row), one shared-prompt pass and the plain pass agree in log-probs, entropies
+    and gradients, and all three are 0 on padding."""
+    model, r = _rollouts(seed=3)
+    lengths = torch.tensor([8, 1, 3, 0, 6, 2])
+    mask = (torch.arange(8)[None, :] < lengths[:, None]).long()  # [6, 8]
+    ids = r.completion_ids.masked_fill(mask == 0, 0)
+    results, calls = [], []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    for share, pass_tokens in ((True, 0), (True, None), (False, None)):
+        model.zero_grad()
+        calls.clear()
+        lp, ent = completion_logprobs(
+            model,
+            r.prompt_ids,
+            r.prompt_mask,
+            ids,
+            mask,
+            r.temperature,
+            with_entropy=True,
+            entropy_grad=True,
+            share_prompts=share,
+            bucket_pass_tokens=pass_tokens,
+        )
+        assert (lp[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
+        # bucketed: the prompts, then one pass per row of 2+ tokens; else 2 passes, or 1
+        assert len(calls) == {(True, 0): 5, (True, None): 2, (False, None): 1}[share, pass_tokens]
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    for other in results[1:]:
+        torch.testing.assert_close(results[0][0], other[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(results[0][1], other[1], atol=1e-5, rtol=1e-5)
+        for a, b in zip(results[0][2], other[2], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
