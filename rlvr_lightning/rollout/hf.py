@@ -1,11 +1,12 @@
-"""Rollouts with ``transformers`` generation, sharing the policy's weights."""
+"""Rollouts from the policy itself (a ``transformers`` model): prompt prefill once per group,
+then a decode loop that drops finished rows, with our own sampling and its log-probs."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from rlvr_lightning.forward import cache_kwarg
@@ -49,35 +50,6 @@ def sample_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     return picked.clamp_(max=cdf.shape[-1] - 1)
 
 
-class _SampleAndRecord(LogitsProcessor):
-    """Samples each next token itself and records its log-prob; generation then runs greedy.
-
-    The processor applies our sampling transform, draws the token (or takes the argmax when
-    greedy) and returns scores that are 0 at that token and ``-inf`` elsewhere, so the greedy
-    step of ``generate`` picks exactly it. Only the ``[N]`` log-prob of each drawn token is
-    kept, never the history of ``[N, V]`` scores.
-    """
-
-    def __init__(self, temperature: torch.Tensor, top_k: int, top_p: float, greedy: bool) -> None:
-        self.temperature = temperature  # [N], or [N, T_max]: column t for completion token t
-        self.top_k, self.top_p, self.greedy = top_k, top_p, greedy
-        self.recorded: list[torch.Tensor] = []  # T x [N]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # Called once per generated token, so the tokens recorded so far give the position.
-        temp = self.temperature
-        temp = temp if temp.dim() == 1 else temp[:, len(self.recorded)]  # [N]
-        logp = sampling_logprobs(scores, temp, self.top_k, self.top_p)  # [N, V]
-        token = logp.argmax(-1) if self.greedy else sample_from_logprobs(logp)  # [N]
-        self.recorded.append(logp.gather(1, token[:, None]).squeeze(1))
-        forced = torch.full_like(logp, float("-inf"))
-        return forced.scatter_(1, token[:, None], 0.0)
-
-    def logprobs(self) -> torch.Tensor:
-        """The recorded log-probs ``[N, T]``."""
-        return torch.stack(self.recorded, dim=1)
-
-
 def shared_prompt_cache(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, g: int):
     """KV cache of all but the last token of each of the ``B`` prompts, repeated ``G`` times.
 
@@ -96,8 +68,72 @@ def shared_prompt_cache(model: PreTrainedModel, ids: torch.Tensor, mask: torch.T
         logits_to_keep=1,
     )
     cache = out[cache_kwarg(model)]
-    cache.batch_repeat_interleave(g)  # [B] -> [B * G] rows, group rows consecutive
+    if g > 1:
+        cache.batch_repeat_interleave(g)  # [B] -> [B * G] rows, group rows consecutive
     return cache
+
+
+# Finished rows leave the decoding batch once they are this share of the rows still decoding
+# (each eviction copies the whole KV cache): this project's choice.
+EVICT_FRACTION = 0.125
+
+
+def decode(
+    model: PreTrainedModel,
+    cache: object | None,
+    last_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_new_tokens: int,
+    next_token,
+    eos_ids: list[int],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode up to ``max_new_tokens`` tokens per row from ``cache`` (all but the last prompt
+    token of each row; None when the prompts are one token long): ``([N, T] ids, [N, T]
+    log-probs)``, pad and 0 after a row's first EOS, ``T`` the steps run.
+
+    ``next_token(logits [n, V], rows [n], t) -> (tokens [n], log-probs [n])`` draws the tokens
+    of the rows still decoding (``rows``: their indices in ``0..N-1``) at completion position
+    ``t``. Rows that emitted an EOS stop costing compute: once they make up ``EVICT_FRACTION``
+    of the batch they are dropped from it and from the cache (``generate`` decodes every row
+    until the last one ends).
+
+    Args:
+        last_ids: ``[N]`` last prompt token of each row; prompt_mask: ``[N, P]`` (left padding).
+    """
+    n = last_ids.shape[0]
+    ids = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=last_ids.device)
+    logps = torch.zeros(n, max_new_tokens, device=last_ids.device)
+    eos = torch.tensor(eos_ids, device=last_ids.device)
+    rows = torch.arange(n, device=last_ids.device)  # [n] rows still in the batch
+    done = torch.zeros(n, dtype=torch.bool, device=last_ids.device)  # [n] of those, finished
+    attn, token = prompt_mask, last_ids  # [n, P + t], [n]
+    kwarg = cache_kwarg(model)
+    steps = 0
+    for t in range(max_new_tokens):
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=attn,
+            position_ids=attn.sum(-1, keepdim=True) - 1,
+            use_cache=True,
+            logits_to_keep=1,
+            **({} if cache is None else {kwarg: cache}),
+        )
+        cache = out[kwarg]
+        token, logp = next_token(out.logits[:, -1], rows, t)  # [n] each
+        live = ~done
+        ids[rows[live], t] = token[live]
+        logps[rows[live], t] = logp[live].float()
+        steps = t + 1
+        done = done | torch.isin(token, eos)
+        if bool(done.all()):
+            break
+        if int(done.sum()) >= max(1, EVICT_FRACTION * len(rows)):
+            keep = (~done).nonzero().squeeze(-1)  # [n']
+            cache.batch_select_indices(keep)
+            rows, token, attn, done = rows[keep], token[keep], attn[keep], done[keep]
+        attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
+    return ids[:, :steps], logps[:, :steps]
 
 
 def row_position_temperatures(
@@ -128,7 +164,7 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> torch.T
 
 
 class HFEngine:
-    """Batched ``model.generate`` with KV cache, left padding, per-row temperature and an
+    """Batched decoding with KV cache (``decode``), left padding, per-row temperature and an
     optional per-position temperature factor (EAD).
 
     Args:
@@ -184,40 +220,35 @@ class HFEngine:
             per_token = row_position_temperatures(
                 temperatures, position_temperatures, sampling.max_new_tokens
             )  # [N, T_max]
-        recorder = _SampleAndRecord(
-            temperatures if per_token is None else per_token,
-            0 if greedy else sampling.top_k,
-            1.0 if greedy else sampling.top_p,
-            greedy,
-        )
-        config = GenerationConfig(
-            do_sample=False,  # the processor samples; see _SampleAndRecord
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-            top_k=None,
-            top_p=None,
-            temperature=None,
-        )
+        top_k = 0 if greedy else sampling.top_k
+        top_p = 1.0 if greedy else sampling.top_p
+
+        def next_token(logits: torch.Tensor, rows: torch.Tensor, t: int):
+            temp = temperatures[rows] if per_token is None else per_token[rows, t]  # [n]
+            logp = sampling_logprobs(logits, temp, top_k, top_p)  # [n, V]
+            token = logp.argmax(-1) if greedy else sample_from_logprobs(logp)  # [n]
+            return token, logp.gather(1, token[:, None]).squeeze(1)
+
         was_training = self.model.training
         self.model.eval()
         try:
-            extra = {}
-            if self.share_prompts and g > 1 and prompt_ids.shape[1] > 1:
-                extra[cache_kwarg(self.model)] = shared_prompt_cache(
-                    self.model, prompt_ids, prompt_mask, g
-                )
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                generation_config=config,
-                logits_processor=LogitsProcessorList([recorder]),
-                **extra,
-            )
+            cache = None
+            if ids.shape[1] > 1 and self.share_prompts:
+                cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, g)
+            elif ids.shape[1] > 1:
+                cache = shared_prompt_cache(self.model, ids, mask, 1)
+            completion_ids, logp = decode(
+                self.model,
+                cache,
+                ids[:, -1],
+                mask,
+                sampling.max_new_tokens,
+                next_token,
+                self.eos_ids,
+                self.tokenizer.pad_token_id,
+            )  # [N, T] each
         finally:
             self.model.train(was_training)
-        completion_ids = out[:, ids.shape[1] :]  # [N, T]
-        logp = recorder.logprobs()  # [N, T]
         cmask = completion_mask(completion_ids, self.eos_ids)  # [N, T]
         ends_with_eos = torch.isin(completion_ids, torch.tensor(self.eos_ids, device=ids.device))
         texts = self.tokenizer.batch_decode(

@@ -168,3 +168,38 @@ def test_a_tiny_position_temperature_samples_the_argmax(engine):
     )
     assert torch.equal(again.completion_ids, greedy.completion_ids)
     assert again.position_temperature is None
+
+
+@pytest.mark.parametrize("evict_fraction", [0.0, 0.5])
+def test_finished_rows_leave_the_batch_and_the_others_decode_unchanged(
+    engine, monkeypatch, evict_fraction
+):
+    """Rows end at different steps (an EOS id chosen from a first greedy run); whether they
+    leave the batch at once (fraction 0) or in pairs, every row's tokens and log-probs are the
+    first run's up to its EOS, and pad / 0 after it."""
+    import rlvr_lightning.rollout.hf as hf
+
+    ids, mask = _prompts(engine, ["hi", "a longer prompt here", "xyz"])
+    greedy = Sampling(max_new_tokens=10, temperature=0.0, group_size=2)
+    first = engine.generate(ids, mask, greedy)
+    stop = int(first.completion_ids[0, 2])  # row 0 ends at step 2, others wherever it appears
+    monkeypatch.setattr(hf, "EVICT_FRACTION", evict_fraction)
+    monkeypatch.setattr(engine, "eos_ids", [stop])
+    calls = []
+    handle = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        ended = engine.generate(ids, mask, greedy)
+    finally:
+        handle.remove()
+    assert calls[1] == 6 and min(calls) < 6  # rows left the batch
+    for row in range(6):
+        hits = (first.completion_ids[row] == stop).nonzero()
+        n = int(hits[0]) + 1 if len(hits) else 10
+        assert torch.equal(ended.completion_ids[row, :n], first.completion_ids[row, :n])
+        torch.testing.assert_close(ended.behaviour_logp[row, :n], first.behaviour_logp[row, :n])
+        assert int(ended.completion_mask[row].sum()) == n
+        assert (ended.behaviour_logp[row, n:] == 0).all()
+        assert (ended.completion_ids[row, n:] == engine.tokenizer.pad_token_id).all()
+    assert ended.completion_ids.shape[1] == max(int(m.sum()) for m in ended.completion_mask)
