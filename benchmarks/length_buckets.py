@@ -1,4 +1,4 @@
-"""The update's passes with completions in length buckets (``forward.length_buckets``) vs one
+"""The update's passes with completions in length buckets (``shared_prompts.length_buckets``) vs one
 completion pass per micro-batch padded to its longest row.
 
     python benchmarks/length_buckets.py --prompts 8 --group 8 --max-new-tokens 64 --reps 3
@@ -51,7 +51,7 @@ def _update_pass(policy, rollouts, micros, pass_tokens) -> tuple[float, torch.Te
 def _tokens_run(lengths: torch.Tensor, micros, pass_tokens) -> int:
     """Completion tokens fed (rows x the longest row of their pass), as ``completion_forward``
     runs them."""
-    from rlvr_lightning.forward import length_buckets
+    from rlvr_lightning.shared_prompts import length_buckets
 
     total = 0
     for idx in micros:
@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from rlvr_lightning import RLVRModule
-    from rlvr_lightning.forward import BUCKET_PASS_TOKENS, group_microbatches
+    from rlvr_lightning.forward import group_microbatches
     from rlvr_lightning.precision import weights_cast_once
+    from rlvr_lightning.shared_prompts import BUCKET_PASS_TOKENS
     from rlvr_lightning.types import Sampling
 
     pass_tokens = BUCKET_PASS_TOKENS if args.pass_tokens is None else args.pass_tokens

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from rlvr_lightning.forward import cache_kwarg
+from rlvr_lightning.shared_prompts import cache_kwarg
 from rlvr_lightning.types import Rollouts, Sampling
 
 

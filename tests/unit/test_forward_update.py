@@ -1,8 +1,9 @@
 import torch
 
-from rlvr_lightning.forward import completion_logprobs, group_microbatches, length_buckets
+from rlvr_lightning.forward import completion_logprobs, group_microbatches
 from rlvr_lightning.losses import ppo_clip_loss
 from rlvr_lightning.rollout.hf import HFEngine
+from rlvr_lightning.shared_prompts import length_buckets
 from rlvr_lightning.testing import tiny_policy
 from rlvr_lightning.types import Sampling
 from rlvr_lightning.update import PolicyUpdate

@@ -1,0 +1,173 @@
+"""Completion passes that share their prompts: each distinct prompt is encoded once, and the
+completions read its key/value cache, in one pass or in buckets of similar length.
+
+``forward.completion_forward`` runs these; ``rollout.hf`` reuses ``cache_kwarg``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+
+try:  # cache layers that replace their tensors on update (copyable per bucket, see _cache_rows)
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    _COPYABLE_LAYERS: tuple[type, ...] = (DynamicLayer, DynamicSlidingWindowLayer)
+except ImportError:  # older transformers: no per-layer cache objects, one completion pass
+    _COPYABLE_LAYERS = ()
+
+
+# Fixed cost of one extra completion pass, in completion tokens (``length_buckets``): this
+# project's choice, measured on 2 CPU cores where a pass of a few rows costs about as much as
+# a few dozen more padded tokens; larger on a GPU, where padding is cheap and passes are not.
+BUCKET_PASS_TOKENS = 64
+
+
+def length_buckets(lengths: torch.Tensor, pass_tokens: int) -> list[torch.Tensor]:
+    """Positions ``0..n-1`` split into buckets of rows of similar length, each bucket padded
+    only to its own longest row: the split minimising ``sum(rows * longest) + pass_tokens *
+    buckets`` (the tokens run, plus ``pass_tokens`` per extra pass), found exactly over the
+    rows sorted by length. Buckets come shortest first; a bucket keeps the rows' sorted order.
+
+    Args:
+        lengths: ``[n]`` tokens of each row.
+        pass_tokens: fixed cost of one more pass, in tokens (>= 0).
+    """
+    order = torch.argsort(lengths, stable=True)  # [n]
+    ls = lengths[order].tolist()
+    n = len(ls)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):  # the last bucket is rows i..j-1 of the sorted order
+        for i in range(j):
+            cost = best[i] + (j - i) * ls[j - 1] + pass_tokens
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    spans, j = [], n
+    while j > 0:
+        spans.append((cut[j], j))
+        j = cut[j]
+    return [order[i:j] for i, j in reversed(spans)]
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The name of the KV cache, as forward argument and output field: ``cache`` (recent
+    transformers) or ``past_key_values`` (older); a peft wrapper is looked through."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _copyable(cache: object) -> bool:
+    """Whether ``_cache_rows`` can copy ``cache``: all its layers are plain key/value layers
+    (``DynamicLayer``, ``DynamicSlidingWindowLayer``), which replace, never mutate, their
+    tensors, so a shallow copy is independent of the original."""
+    layers = getattr(cache, "layers", None)
+    return layers is not None and all(type(layer) in _COPYABLE_LAYERS for layer in layers)
+
+
+def _cache_rows(cache: object, rows: torch.Tensor) -> object:
+    """A copy of a ``_copyable`` ``cache`` holding its batch rows ``rows`` (differentiable
+    ``index_select``), the original untouched."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    out.reorder_cache(rows)
+    return out
+
+
+def shared_prompt_logits(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    hidden: list[torch.Tensor],
+    pass_tokens: int | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Logits predicting each completion token, running each prompt only once, and the rows
+    of the completion passes: ``([first, *rest], rows)``. ``first`` is ``[n, 1, V]`` (the
+    first token). With ``rows`` None, ``rest`` is one ``[n, t - 1, V]`` piece (when ``t > 1``);
+    otherwise piece ``i`` of ``rest`` is ``[len(rows[i]), t_i - 1, V]``, the completion pass of
+    the bucket ``rows[i]`` of rows of similar length (``length_buckets`` with ``pass_tokens``),
+    each padded only to its own longest row. The LM head's inputs captured in ``hidden`` (see
+    ``lm_head_inputs``) are the same pieces, ``first`` put in row order.
+
+    The ``G`` rows of a group share their prompt, so the prompt is encoded once per distinct
+    prompt and its key/value cache is gathered per row (``index_select`` keeps the gradient to
+    the prompt's activations); every bucket reads the same prompt pass. The logit predicting
+    the first completion token comes from the prompt's last position; the completion passes
+    give the rest. The last completion token is never fed (its output would predict past the
+    completion), and the pieces are not concatenated, which would copy the largest tensor of
+    the step.
+    """
+    unique, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [u, p], [n]
+    first = inverse.new_zeros(len(unique)).scatter_(0, inverse, torch.arange(len(inverse)))
+    umask = prompt_mask[first]  # [u, p]
+    out = model(
+        input_ids=unique,
+        attention_mask=umask,
+        position_ids=(umask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    pieces = [out.logits[inverse]]  # [n, 1, V]
+    if hidden:
+        hidden[0] = hidden[0][inverse]  # [n, 1, H]
+    lengths = completion_mask.sum(-1)  # [n]
+    if int(lengths.max()) <= 1:
+        return pieces, None
+    cache = out[cache_kwarg(model)]
+    buckets = None
+    if pass_tokens is not None and _copyable(cache):
+        buckets = [b for b in length_buckets(lengths, pass_tokens) if int(lengths[b].max()) > 1]
+    if buckets is None or (len(buckets) == 1 and len(buckets[0]) == len(inverse)):
+        cache.reorder_cache(inverse)  # [u] -> [n] rows, differentiable (index_select)
+        rest = _completion_pass(model, cache, prompt_mask, completion_ids, completion_mask)
+        return [*pieces, rest], None
+    for rows in buckets:
+        t = int(lengths[rows].max())
+        pieces.append(
+            _completion_pass(
+                model,
+                _cache_rows(cache, inverse[rows]),
+                prompt_mask[rows],
+                completion_ids[rows, :t],
+                completion_mask[rows, :t],
+            )
+        )  # [len(rows), t - 1, V]
+    return pieces, buckets
+
+
+def _completion_pass(
+    model: nn.Module,
+    cache: object,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Logits ``[m, t - 1, V]`` predicting completion tokens ``1..t-1`` of ``m`` rows whose
+    prompts are in ``cache`` (one row each)."""
+    t = completion_ids.shape[1]
+    attn = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [m, p + t - 1]
+    positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(
+        t - 1, device=attn.device
+    )  # [m, t - 1]
+    return model(
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attn,
+        position_ids=positions,
+        use_cache=True,
+        **{cache_kwarg(model): cache},
+        logits_to_keep=t - 1,
+    ).logits
+
+
+def rows_assembled(pieces: list[torch.Tensor], buckets: list[torch.Tensor], t: int) -> torch.Tensor:
+    """``[n, t, D]`` from ``[first, *bucket pieces]`` (see ``shared_prompt_logits``), the
+    positions past each bucket's own length zero."""
+    first = pieces[0]  # [n, 1, D]
+    rest = first.new_zeros(first.shape[0], t - 1, first.shape[-1])  # [n, t - 1, D]
+    for rows, piece in zip(buckets, pieces[1:], strict=True):
+        rest[rows, : piece.shape[1]] = piece
+    return torch.cat([first, rest], dim=1)
