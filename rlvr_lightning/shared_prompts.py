@@ -59,6 +59,18 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def prompt_pass(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor):
+    """The model's output on left-padded prompts ``[b, p]`` (mask ``[b, p]``): the logits of
+    the last position and the key/value cache of all of them (``out[cache_kwarg(model)]``)."""
+    return model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+
+
 def _copyable(cache: object) -> bool:
     """Whether ``_cache_rows`` can copy ``cache``: all its layers are plain key/value layers
     (``DynamicLayer``, ``DynamicSlidingWindowLayer``), which replace, never mutate, their
@@ -103,14 +115,7 @@ def shared_prompt_logits(
     """
     unique, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [u, p], [n]
     first = inverse.new_zeros(len(unique)).scatter_(0, inverse, torch.arange(len(inverse)))
-    umask = prompt_mask[first]  # [u, p]
-    out = model(
-        input_ids=unique,
-        attention_mask=umask,
-        position_ids=(umask.cumsum(-1) - 1).clamp(min=0),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = prompt_pass(model, unique, prompt_mask[first])
     pieces = [out.logits[inverse]]  # [n, 1, V]
     if hidden:
         hidden[0] = hidden[0][inverse]  # [n, 1, H]

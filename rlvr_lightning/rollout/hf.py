@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from rlvr_lightning.shared_prompts import cache_kwarg
+from rlvr_lightning.shared_prompts import cache_kwarg, prompt_pass
 from rlvr_lightning.types import Rollouts, Sampling
 
 
@@ -54,19 +54,12 @@ def shared_prompt_cache(model: PreTrainedModel, ids: torch.Tensor, mask: torch.T
     """KV cache of all but the last token of each of the ``B`` prompts, repeated ``G`` times.
 
     The ``G`` rows of a group share their prompt, so it is encoded once instead of ``G`` times;
-    ``generate`` then starts from this cache and runs only each prompt's last token.
+    ``decode`` then starts from this cache and runs only each prompt's last token.
 
     Args:
         ids: ``[B, P]`` left-padded prompts (``P >= 2``); mask: ``[B, P]``.
     """
-    head, head_mask = ids[:, :-1], mask[:, :-1]  # [B, P - 1]
-    out = model(
-        input_ids=head,
-        attention_mask=head_mask,
-        position_ids=(head_mask.cumsum(-1) - 1).clamp(min=0),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = prompt_pass(model, ids[:, :-1], mask[:, :-1])  # the first P - 1 tokens
     cache = out[cache_kwarg(model)]
     if g > 1:
         cache.batch_repeat_interleave(g)  # [B] -> [B * G] rows, group rows consecutive
