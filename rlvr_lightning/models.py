@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from rlvr_lightning import hub
+from rlvr_lightning import attention, hub
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,6 +82,7 @@ def load_policy(
         from rlvr_lightning.testing import tiny_policy
 
         model, tokenizer = tiny_policy(seed=int(name.split(":", 1)[1] or 0))
+        attention.prefer_grouped(model)
         return model.to(torch_dtype), tokenizer
     if name == EMBEDDED_DEFAULT:
         path: str | Path = embedded_model_path()
@@ -108,6 +109,7 @@ def load_policy(
         ) from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    attention.prefer_grouped(model)  # SDPA's CPU kernels are slow at RL's shapes
     return model, tokenizer
 
 

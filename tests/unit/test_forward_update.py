@@ -116,11 +116,13 @@ def test_length_buckets_give_the_one_pass_values_and_gradients():
     lengths = torch.tensor([8, 1, 3, 0, 6, 2])
     mask = (torch.arange(8)[None, :] < lengths[:, None]).long()  # [6, 8]
     ids = r.completion_ids.masked_fill(mask == 0, 0)
-    results, calls = [], []
+    results, calls, lookups = [], [], []
     model.register_forward_pre_hook(lambda *_: calls.append(1))
+    model.get_input_embeddings().register_forward_pre_hook(lambda *_: lookups.append(1))
     for share, pass_tokens in ((True, 0), (True, None), (False, None)):
         model.zero_grad()
         calls.clear()
+        lookups.clear()
         lp, ent = completion_logprobs(
             model,
             r.prompt_ids,
@@ -136,6 +138,8 @@ def test_length_buckets_give_the_one_pass_values_and_gradients():
         assert (lp[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
         # bucketed: the prompts, then one pass per row of 2+ tokens; else 2 passes, or 1
         assert len(calls) == {(True, 0): 5, (True, None): 2, (False, None): 1}[share, pass_tokens]
+        # one embedding lookup (and backward) for the prompts, one for all completion passes
+        assert len(lookups) == (2 if share else 1)
         (lp.sum() + 0.1 * ent.sum()).backward()
         results.append((lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
     for other in results[1:]:

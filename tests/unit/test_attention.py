@@ -1,0 +1,114 @@
+"""``attention.grouped_attention`` against ``transformers``' SDPA on a tiny grouped-query Llama:
+padded prefill, causal blocks, decoding from a cache, gradients, and its fallbacks."""
+
+import copy
+
+import pytest
+import torch
+
+from rlvr_lightning import attention
+from rlvr_lightning.shared_prompts import cache_kwarg
+from rlvr_lightning.testing import tiny_policy
+
+
+@pytest.fixture
+def pair():
+    sdpa, _ = tiny_policy(seed=0)
+    assert sdpa.config._attn_implementation == "sdpa"
+    assert sdpa.config.num_attention_heads > sdpa.config.num_key_value_heads  # grouped
+    grouped = copy.deepcopy(sdpa)
+    attention.prefer_grouped(grouped)
+    assert grouped.config._attn_implementation == attention.NAME
+    return sdpa, grouped
+
+
+def _left_padded(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 250, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0  # rows of different padding, one of none
+    mask[1, :1] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_padded_prefill_matches_sdpa_in_values_and_gradients(pair):
+    sdpa, grouped = pair
+    ids, mask, pos = _left_padded()
+    real = mask.bool()
+    outs = []
+    for model in pair:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        logits[real].logsumexp(-1).sum().backward()
+        outs.append(logits[real])
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    for p, q in zip(sdpa.parameters(), grouped.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5)
+    assert all(torch.isfinite(q.grad).all() for q in grouped.parameters())  # padded queries
+
+
+def test_causal_block_without_mask_matches_sdpa(pair):
+    ids, _, _ = _left_padded(1)
+    a, b = (model(input_ids=ids).logits for model in pair)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_decoding_from_a_cache_matches_sdpa(pair):
+    ids, mask, pos = _left_padded(2)
+    nxt = torch.randint(3, 250, (3, 1), generator=torch.Generator().manual_seed(3))
+    longer = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+    steps = []
+    with torch.no_grad():
+        for model in pair:
+            kw = cache_kwarg(model)
+            cache = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)[kw]
+            out = model(
+                input_ids=nxt,
+                attention_mask=longer,
+                position_ids=longer.sum(-1, keepdim=True) - 1,
+                **{kw: cache},
+            )
+            steps.append(out.logits[:, -1])
+    assert torch.allclose(steps[0], steps[1], atol=1e-5)
+
+
+def test_bf16_autocast_error_no_larger_than_sdpas(pair):
+    """In bf16 both differ from the fp32 result; the grouped path by no more than SDPA."""
+    sdpa = pair[0]
+    ids, mask, pos = _left_padded(4)
+    real = mask.bool()
+    with torch.no_grad():
+        exact = sdpa(input_ids=ids, attention_mask=mask, position_ids=pos).logits[real]
+        errors = []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for model in pair:
+                low = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[real]
+                errors.append(float((low.float() - exact).abs().max()))
+    assert errors[1] <= 2 * errors[0] + 1e-3, errors
+
+
+def test_large_score_matrices_fall_back_to_sdpa(pair, monkeypatch):
+    """Above MAX_SCORES (and for unsupported features) SDPA runs, with the same results."""
+    calls = []
+    real_sdpa = attention.sdpa_attention_forward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", spy)
+    sdpa, grouped = pair
+    ids, mask, pos = _left_padded(5)
+    grouped(input_ids=ids, attention_mask=mask, position_ids=pos)
+    assert calls == []  # small: the grouped path
+    monkeypatch.setattr(attention, "MAX_SCORES", 0)
+    a = sdpa(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    b = grouped(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert len(calls) == grouped.config.num_hidden_layers
+    assert torch.equal(a, b)
+
+
+def test_prefer_grouped_leaves_other_implementations_alone():
+    model, _ = tiny_policy(seed=0)
+    model.set_attn_implementation("eager")
+    attention.prefer_grouped(model)
+    assert model.config._attn_implementation == "eager"
