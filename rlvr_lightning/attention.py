@@ -1,16 +1,19 @@
 """Grouped-query attention as two matmuls on the CPU, registered with ``transformers``.
 
-PyTorch's CPU ``scaled_dot_product_attention`` kernels are slow for the shapes of RL on small
-models: one query token per row while decoding, ~100-token rows in the update. Measured on 2
-AMD EPYC cores (torch 2.13, 64 rows, 9 query / 3 key-value heads, 120 keys, one query): SDPA
-takes 1.3 ms in fp32 and 3.0 ms in bf16, against 0.3 and 0.4 ms for the matmuls below; in bf16
-the forward+backward of a 16-row update block is 4-5x faster. ``"rlvr_grouped"`` computes
+PyTorch's bf16 CPU ``scaled_dot_product_attention`` kernels are slow for the shapes of RL on
+small models: one query token per row while decoding, ~100-token rows in the update. Measured on
+2 AMD EPYC cores (torch 2.13, 64 rows, 9 query / 3 key-value heads, 120 keys, one query): SDPA
+takes 3.0 ms in bf16 against 0.4 ms for the matmuls below, and the forward+backward of a
+16-row update block is 4-5x faster; with the embedded model, generation runs 1.42x faster
+(``benchmarks/attention.py``). In fp32 SDPA is as fast end to end (0.97x generation, 1.04x
+update time with the matmuls), so fp32 keeps SDPA. ``"rlvr_grouped"`` computes
 
     softmax(q k^T * scale + mask) v
 
 with the query heads of each key/value head stacked into one matmul (no copy of the keys and
-values per query head), the softmax in fp32. It falls back to ``transformers``' SDPA function
-off the CPU, for features it does not implement (logit soft-capping, attention sinks,
+values per query head), the softmax in fp32, when the matmuls run in a ``MATMUL_DTYPES`` dtype
+(autocast's, else the query's). It falls back to ``transformers``' SDPA function for other
+dtypes, off the CPU, for features it does not implement (logit soft-capping, attention sinks,
 position biases, dropout in training), and when the score matrix of a layer would exceed
 ``MAX_SCORES`` elements (math attention keeps it for the backward; SDPA does not).
 """
@@ -30,6 +33,9 @@ NAME = "rlvr_grouped"
 # 64-row micro-batch of ~100-token rows stays on the fast path while long sequences do not
 # keep O(length^2) memory per layer for the backward.
 MAX_SCORES = 2**21
+
+# Query dtypes that take the matmul path (see the module docstring for fp32).
+MATMUL_DTYPES = (torch.bfloat16, torch.float16)
 
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
@@ -53,8 +59,10 @@ def grouped_attention(
     """
     b, h, q_len, d = query.shape
     k_heads, kv_len = key.shape[1], key.shape[2]
+    autocast = torch.is_autocast_enabled("cpu")
     plain = (
         query.device.type == "cpu"
+        and (torch.get_autocast_dtype("cpu") if autocast else query.dtype) in MATMUL_DTYPES
         and not any(kwargs.get(name) is not None for name in _UNSUPPORTED)
         and not (dropout > 0 and module.training)
         and h % k_heads == 0

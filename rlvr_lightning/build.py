@@ -32,6 +32,9 @@ def validate_options(h: Mapping[str, Any], estimator: str) -> None:
             f"head_chunk_tokens must be >= 1, got {h['head_chunk_tokens']} (to use the model's "
             "own LM head and full logits, set chunked_head: false)."
         )
+    if not 0.0 <= h["min_lr_ratio"] <= 1.0:
+        ratio = h["min_lr_ratio"]
+        raise ValueError(f"min_lr_ratio must be in [0, 1] (a share of lr), got {ratio}.")
     if h["max_steps_without_update"] is not None and h["max_steps_without_update"] < 1:
         raise ValueError("max_steps_without_update must be >= 1, or null to never stop.")
     if h["offpolicy_baseline"] == "on_policy" and estimator not in ("grpo", "dr_grpo"):

@@ -166,7 +166,7 @@ def build_cli(
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"exit_on_error": exit_on_error, "epilog": _EPILOG, **parser_kwargs},
         # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
-        # --optimizer/--lr_scheduler would replace it and ignore model.lr and warmup_steps.
+        # --optimizer/--lr_scheduler would replace it and ignore model.lr, warmup_steps, lr_decay.
         auto_configure_optimizers=False,
     )
 

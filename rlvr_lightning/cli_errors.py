@@ -32,8 +32,9 @@ _DATA_KEYS = "`--data.help RLVRDataModule` the data keys"
 _FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"--optimizer|--lr_scheduler|'optimizer'|'lr_scheduler'"),
-        "the optimiser is AdamW, set by model.init_args.lr, weight_decay and warmup_steps "
-        "(linear warm-up, then constant); --optimizer/--lr_scheduler are not supported.",
+        "the optimiser is AdamW, set by model.init_args.lr, weight_decay, warmup_steps "
+        "(linear warm-up) and lr_decay (none, linear or cosine, to min_lr_ratio * lr); "
+        "--optimizer/--lr_scheduler are not supported.",
     ),
     (
         re.compile(r"No module named '([^']+)'"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,21 @@ from rlvr_lightning.predictions import prediction_records
 from rlvr_lightning.types import PromptBatch, Sampling
 
 log = logging.getLogger("rlvr_lightning.module")
+
+
+def lr_factor(step: int, warmup: int, decay: str, total: int, floor: float) -> float:
+    """Multiplier of the lr for optimiser step ``step`` (0-based): ``(step + 1) / warmup``
+    during the warm-up, then ``1`` (``decay`` ``none``) or a decay from 1 at ``step == warmup``
+    towards ``floor`` at ``step == total``: ``linear`` (``floor + (1 - floor) * (total - step)
+    / (total - warmup)``, as transformers' linear schedule with a floor) or ``cosine`` (half a
+    cosine period over the same span)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if decay == "none":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+    shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * shape
 
 
 def plain_hparam(value: Any) -> Any:
@@ -137,11 +153,32 @@ class StepLifecycle(pl.LightningModule):
         groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
         if self.value_head is not None:
             groups.append(self.value_head.param_group())  # its own lr and weight decay
-        opt = torch.optim.AdamW(groups, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        warmup = self.hparams.warmup_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        # The fused kernel steps the embedded model in 0.04 s against 0.29 s (2 CPU cores). It
+        # unscales gradients itself, so not with a GradScaler (fp16), where the plugin unscales
+        # before clipping; optimise._clip clips it outside Lightning's plugin.
+        fused = "16-mixed" != str(self.trainer.precision) and all(
+            p.is_floating_point() and p.device.type in ("cpu", "cuda")
+            for g in groups
+            for p in g["params"]
         )
+        opt = torch.optim.AdamW(
+            groups, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=fused or None
+        )
+        h = self.hparams
+        decay, total = h.get("lr_decay", "none"), self.trainer.max_steps
+        if decay != "none" and total <= 0:
+            raise ValueError(
+                f"lr_decay={decay!r} decays the lr over trainer.max_steps optimiser steps, but "
+                f"trainer.max_steps is {total}: set trainer.max_steps, or lr_decay: none."
+            )
+        schedule = functools.partial(
+            lr_factor,
+            warmup=h.warmup_steps,
+            decay=decay,
+            total=total,
+            floor=h.get("min_lr_ratio", 0.0),
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- checkpoints ----------------------------------------------------------------------

@@ -105,7 +105,11 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             about ``3 * head_chunk_tokens * vocab`` fp32 numbers.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
-        warmup_steps: linear warm-up in optimiser steps, then constant.
+        warmup_steps: linear warm-up in optimiser steps, then ``lr_decay``.
+        lr_decay: after the warm-up, ``none`` keeps the lr constant; ``linear`` and ``cosine``
+            bring it down to ``min_lr_ratio * lr`` at ``trainer.max_steps`` optimiser steps
+            (``lifecycle.lr_factor``), which must then be set.
+        min_lr_ratio: the decay's floor, as a share of ``lr``.
         grad_clip: max gradient norm (None = no clipping).
         kl_coef: weight of the KL-to-reference term in the loss; 0 skips the reference model.
         kl_estimator: ``k1``, ``k2`` or ``k3`` (spec §8.6).
@@ -186,6 +190,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         lr: float = 1e-5,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
+        lr_decay: Literal["none", "linear", "cosine"] = "none",
+        min_lr_ratio: float = 0.0,
         grad_clip: float | None = 1.0,
         kl_coef: float = 0.0,
         kl_estimator: Literal["k1", "k2", "k3"] = "k3",

@@ -94,9 +94,12 @@ class UpdateStage(pl.LightningModule):
         h = self.hparams
         if h.grad_clip is None:
             return
-        if self.value_head is None:
+        fused = any(group.get("fused") for group in opt.param_groups)
+        if self.value_head is None and not fused:
             self.clip_gradients(opt, gradient_clip_val=h.grad_clip, gradient_clip_algorithm="norm")
             return
+        # Lightning's mixed-precision plugin refuses to clip for a fused optimiser (it unscales
+        # internally); without a GradScaler (the only case it is fused) plain clipping is exact.
         for group in opt.param_groups:
             torch.nn.utils.clip_grad_norm_(group["params"], h.grad_clip)
 

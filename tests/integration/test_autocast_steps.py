@@ -35,3 +35,17 @@ def test_each_optimiser_step_of_a_rollout_sees_the_previous_steps_weights(monkey
     (first, w_first), (second, w_second) = seen  # two mini-batches, two optimiser steps
     assert not torch.equal(w_first, w_second), "the first optimiser step changed nothing"
     assert not torch.equal(first, second), "the second mini-batch ran on stale weights"
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_the_fused_optimiser_still_clips_the_gradient_norm(precision):
+    """AdamW runs fused; Lightning's plugin refuses to clip for it, so the module clips."""
+    torch.manual_seed(0)
+    module = tiny_module(lr=1e-2, grad_clip=1e-4)
+    data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+    trainer = quiet_trainer(max_steps=1, precision=precision)
+    trainer.fit(module, datamodule=data)
+    assert trainer.optimizers[0].param_groups[0]["fused"]
+    grads = [p.grad for p in module.policy.parameters() if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    assert 0 < norm <= 1e-4 * 1.001  # the step's gradient, as clipped before opt.step()

@@ -74,6 +74,16 @@ def test_model_lr_and_warmup_drive_the_optimiser_and_export_reads_the_checkpoint
     }
 
 
+def test_lr_decay_reaches_its_floor_at_max_steps(tmp_path):
+    from rlvr_lightning.cli import build_cli
+
+    args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
+    decay = ["--model.init_args.lr_decay=linear", "--model.init_args.min_lr_ratio=0.5"]
+    cli = build_cli([*args, "--model.init_args.lr=0.002", "--trainer.max_steps=2", *decay])
+    # After 2 of 2 optimiser steps: 0.002 * (0.5 + 0.5 * (2 - 2) / 2).
+    assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001)
+
+
 BAD_YAML = "model:\n  init_args:\n    lr_typo: 1.0\n"
 
 
@@ -88,6 +98,11 @@ BAD_YAML = "model:\n  init_args:\n    lr_typo: 1.0\n"
         (["--model.init_args.sampling.max_new_tokens=0"], 1, "max_new_tokens is 0; use >= 1"),
         (["--data.init_args.source=empty.jsonl"], 1, "empty.jsonl: holds no rows"),
         (["--data.init_args.instruction=Note: be brief"], 2, "is read as a YAML mapping"),
+        (
+            ["--model.init_args.lr_decay=cosine", "--trainer.max_steps=-1"],
+            1,
+            "trainer.max_steps is -1: set trainer.max_steps",
+        ),
     ],
 )
 def test_bad_input_is_reported_in_a_few_lines(tmp_path, monkeypatch, capsys, extra, code, expected):

@@ -12,7 +12,10 @@ from rlvr_lightning.testing import tiny_policy
 
 
 @pytest.fixture
-def pair():
+def pair(monkeypatch):
+    """The same tiny model with SDPA and with ``rlvr_grouped``, whose matmul path also takes
+    fp32 here, so that it can be compared exactly."""
+    monkeypatch.setattr(attention, "MATMUL_DTYPES", (torch.float32, torch.bfloat16))
     sdpa, _ = tiny_policy(seed=0)
     assert sdpa.config._attn_implementation == "sdpa"
     assert sdpa.config.num_attention_heads > sdpa.config.num_key_value_heads  # grouped
@@ -105,6 +108,23 @@ def test_large_score_matrices_fall_back_to_sdpa(pair, monkeypatch):
     b = grouped(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     assert len(calls) == grouped.config.num_hidden_layers
     assert torch.equal(a, b)
+
+
+def test_fp32_keeps_sdpa_by_default(monkeypatch):
+    calls = []
+    real_sdpa = attention.sdpa_attention_forward
+    monkeypatch.setattr(
+        attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real_sdpa(*a, **k)
+    )
+    model, _ = tiny_policy(seed=0)
+    attention.prefer_grouped(model)
+    ids, mask, pos = _left_padded(6)
+    model(input_ids=ids, attention_mask=mask, position_ids=pos)
+    assert len(calls) == model.config.num_hidden_layers  # fp32: SDPA
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, attention_mask=mask, position_ids=pos)
+    assert calls == []  # bf16: the matmuls
 
 
 def test_prefer_grouped_leaves_other_implementations_alone():

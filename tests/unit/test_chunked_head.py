@@ -44,16 +44,21 @@ def test_hand_computed_logprob_entropy_and_gradient() -> None:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_gradcheck_float64_logprobs_and_entropy(bias: bool) -> None:
-    # 7 tokens in chunks of 3 (the last chunk is short), per-row temperatures != 1.
+@pytest.mark.parametrize("block", [2, 8192])
+def test_gradcheck_float64_logprobs_and_entropy(bias: bool, block: int) -> None:
+    # 7 tokens in chunks of 3 (the last chunk is short), per-row temperatures != 1; the 5
+    # vocabulary entries in blocks of 2 (the last block is short) or in one.
     h, w, b, labels, temperature = _problem(7, 3, 5, torch.float64, bias)
     inputs = (h, w) if b is None else (h, w, b)
+    kw = {"vocab_block": block}
 
     def both(h, w, b=None):
-        return head_logprobs(h, w, b, labels, temperature, 3, with_entropy=True, entropy_grad=True)
+        return head_logprobs(
+            h, w, b, labels, temperature, 3, with_entropy=True, entropy_grad=True, **kw
+        )
 
     def logp_only(h, w, b=None):
-        return head_logprobs(h, w, b, labels, temperature, 3)[0]
+        return head_logprobs(h, w, b, labels, temperature, 3, **kw)[0]
 
     def entropy_only(h, w, b=None):
         return both(h, w, b)[1]
@@ -63,14 +68,23 @@ def test_gradcheck_float64_logprobs_and_entropy(bias: bool) -> None:
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 11, 1024])
-def test_matches_plain_autograd_in_fp32(chunk: int) -> None:
+@pytest.mark.parametrize("block", [1, 4, 13])
+def test_matches_plain_autograd_in_fp32(chunk: int, block: int) -> None:
     h, w, b, labels, temperature = _problem()
     coef_l, coef_e = torch.randn(11), torch.randn(11)  # arbitrary upstream gradients
     grads = []
     for fused in (True, False):
         if fused:
             logp, entropy = head_logprobs(
-                h, w, b, labels, temperature, chunk, with_entropy=True, entropy_grad=True
+                h,
+                w,
+                b,
+                labels,
+                temperature,
+                chunk,
+                with_entropy=True,
+                entropy_grad=True,
+                vocab_block=block,
             )
         else:
             logp, entropy = _plain(h, w, b, labels, temperature)
@@ -80,6 +94,18 @@ def test_matches_plain_autograd_in_fp32(chunk: int) -> None:
         )
     (fused_vals, fused_grads), (plain_vals, plain_grads) = grads
     for a, e in zip((*fused_vals, *fused_grads), (*plain_vals, *plain_grads), strict=True):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [3, 13])
+def test_logprobs_alone_in_vocabulary_blocks_match_plain_autograd(block: int) -> None:
+    """Without the entropy the forward also runs block by block (a running logsumexp)."""
+    h, w, b, labels, temperature = _problem()
+    logp, _ = head_logprobs(h, w, b, labels, temperature, 4, vocab_block=block)
+    plain = _plain(h, w, b, labels, temperature)[0]
+    torch.testing.assert_close(logp, plain.detach(), atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(logp.sum(), (h, w, b))
+    for a, e in zip(grads, torch.autograd.grad(plain.sum(), (h, w, b)), strict=True):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
 
 
@@ -115,13 +141,22 @@ def test_tied_embedding_gradient_accumulates_both_uses() -> None:
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_autocast_matches_the_autocast_path_and_casts_the_weight_once() -> None:
+@pytest.mark.parametrize("block", [8, 8192])
+def test_bf16_autocast_matches_the_autocast_path_and_casts_the_weight_once(block: int) -> None:
     h, w, b, labels, temperature = _problem(m=37, hidden=16, vocab=50)
     casts = _WeightCasts(w)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with casts:
             logp, entropy = head_logprobs(
-                h, w, b, labels, temperature, 8, with_entropy=True, entropy_grad=True
+                h,
+                w,
+                b,
+                labels,
+                temperature,
+                8,
+                with_entropy=True,
+                entropy_grad=True,
+                vocab_block=block,
             )
             fused = torch.autograd.grad((logp + entropy).sum(), (h, w, b))
         plain_logp, plain_entropy = _plain(h, w, b, labels, temperature)
@@ -152,3 +187,5 @@ def test_chunk_size_is_validated() -> None:
     h, w, b, labels, temperature = _problem()
     with pytest.raises(ValueError, match="chunk_tokens"):
         head_logprobs(h, w, b, labels, temperature, 0)
+    with pytest.raises(ValueError, match="vocab_block"):
+        head_logprobs(h, w, b, labels, temperature, 4, vocab_block=0)
