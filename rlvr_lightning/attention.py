@@ -5,8 +5,11 @@ small models: one query token per row while decoding, ~100-token rows in the upd
 2 AMD EPYC cores (torch 2.13, 64 rows, 9 query / 3 key-value heads, 120 keys, one query): SDPA
 takes 3.0 ms in bf16 against 0.4 ms for the matmuls below, and the forward+backward of a
 16-row update block is 4-5x faster; with the embedded model, generation runs 1.42x faster
-(``benchmarks/attention.py``). In fp32 SDPA is as fast end to end (0.97x generation, 1.04x
-update time with the matmuls), so fp32 keeps SDPA. ``"rlvr_grouped"`` computes
+(``benchmarks/attention.py``). In fp32 the two are as fast within this machine's noise
+(0.97x generation and 1.04x update time in that benchmark; 24.6-26.3 s against 26.6-28.2 s per
+``vs_trl.py`` step), and the matmuls keep less for the backward than SDPA with a padding mask,
+which copies the keys and values per query head (``vs_trl.py`` fp32 peak 4.51-4.74 GiB against
+4.80-4.86 GiB). ``"rlvr_grouped"`` computes
 
     softmax(q k^T * scale + mask) v
 
@@ -34,8 +37,8 @@ NAME = "rlvr_grouped"
 # keep O(length^2) memory per layer for the backward.
 MAX_SCORES = 2**21
 
-# Query dtypes that take the matmul path (see the module docstring for fp32).
-MATMUL_DTYPES = (torch.bfloat16, torch.float16)
+# Dtypes the matmul path runs in (fp64, e.g. gradcheck, keeps SDPA).
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 

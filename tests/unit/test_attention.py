@@ -12,10 +12,8 @@ from rlvr_lightning.testing import tiny_policy
 
 
 @pytest.fixture
-def pair(monkeypatch):
-    """The same tiny model with SDPA and with ``rlvr_grouped``, whose matmul path also takes
-    fp32 here, so that it can be compared exactly."""
-    monkeypatch.setattr(attention, "MATMUL_DTYPES", (torch.float32, torch.bfloat16))
+def pair():
+    """The same tiny model with SDPA and with ``rlvr_grouped``."""
     sdpa, _ = tiny_policy(seed=0)
     assert sdpa.config._attn_implementation == "sdpa"
     assert sdpa.config.num_attention_heads > sdpa.config.num_key_value_heads  # grouped
@@ -110,17 +108,18 @@ def test_large_score_matrices_fall_back_to_sdpa(pair, monkeypatch):
     assert torch.equal(a, b)
 
 
-def test_fp32_keeps_sdpa_by_default(monkeypatch):
+def test_dtypes_outside_matmul_dtypes_keep_sdpa(monkeypatch):
     calls = []
     real_sdpa = attention.sdpa_attention_forward
     monkeypatch.setattr(
         attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real_sdpa(*a, **k)
     )
+    monkeypatch.setattr(attention, "MATMUL_DTYPES", (torch.bfloat16,))
     model, _ = tiny_policy(seed=0)
     attention.prefer_grouped(model)
     ids, mask, pos = _left_padded(6)
     model(input_ids=ids, attention_mask=mask, position_ids=pos)
-    assert len(calls) == model.config.num_hidden_layers  # fp32: SDPA
+    assert len(calls) == model.config.num_hidden_layers  # fp32, not listed: SDPA
     calls.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=ids, attention_mask=mask, position_ids=pos)
