@@ -4,12 +4,15 @@ import pytest
 import torch
 
 from rlvr_lightning.forward import completion_logprobs
+from rlvr_lightning.rollout import hf
 from rlvr_lightning.rollout.hf import (
     HFEngine,
     completion_mask,
+    draw,
+    draw_rows,
+    head_by_blocks,
     row_position_temperatures,
-    sample_from_logprobs,
-    sampling_logprobs,
+    sampling_scores,
 )
 from rlvr_lightning.testing import tiny_policy
 from rlvr_lightning.types import Sampling
@@ -25,6 +28,10 @@ def engine():
 def _prompts(engine, texts):
     enc = engine.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     return enc.input_ids, enc.attention_mask
+
+
+def sampling_logprobs(logits, temperature, top_k, top_p):
+    return sampling_scores(logits, temperature, top_k, top_p).log_softmax(-1)
 
 
 def test_sampling_logprobs_temperature_topk_topp_by_hand():
@@ -84,13 +91,51 @@ def test_per_row_temperature_and_greedy(engine):
 
 
 def test_inverse_cdf_sampling_frequencies_and_never_a_cut_token():
-    # probs 0.5, 0.25, 0 (cut by top-k), 0.25: 20000 draws land within 0.02 of them
-    logp = torch.tensor([0.5, 0.25, 0.0, 0.25]).log().expand(20000, 4)
+    # probs 0.5, 0.25, 0 (cut by top-k), 0.25, as unnormalised scores (log 2, log 1, -inf,
+    # log 1): 20000 draws land within 0.02 of them, and each log-prob is its token's log p.
+    scores = torch.tensor([2.0, 1.0, 0.0, 1.0]).log().expand(20000, 4)
     torch.manual_seed(0)
-    picked = sample_from_logprobs(logp)
+    picked, logp = draw(scores)
     freq = torch.bincount(picked, minlength=4).float() / 20000
     assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.0, 0.25]), atol=0.02)
     assert int((picked == 2).sum()) == 0
+    expected = torch.tensor([0.5, 0.25, 0.0, 0.25]).log()[picked]
+    assert torch.allclose(logp, expected)
+
+
+def test_greedy_draw_takes_the_argmax_with_its_logprob():
+    scores = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, float("-inf")]])
+    token, logp = draw(scores, greedy=True)
+    assert token.tolist() == [1, 0]
+    assert torch.allclose(logp, scores.log_softmax(-1)[[0, 1], [1, 0]])
+
+
+def test_drawing_in_row_blocks_takes_the_same_uniforms_as_all_rows_at_once(monkeypatch):
+    # 37 rows in blocks of 16, 16, 5 draw what one block of 37 draws from the same seed
+    logits = torch.randn(37, 50, generator=torch.Generator().manual_seed(1)) * 3
+    temps = torch.linspace(0.5, 2.0, 37)
+    torch.manual_seed(0)
+    blocked = draw_rows(logits, temps, top_k=10, top_p=0.9, greedy=False)
+    monkeypatch.setattr(hf, "DRAW_ROWS", 37)
+    torch.manual_seed(0)
+    whole = draw_rows(logits, temps, top_k=10, top_p=0.9, greedy=False)
+    assert torch.equal(blocked[0], whole[0])
+    assert torch.allclose(blocked[1], whole[1])
+    expected = sampling_logprobs(logits, temps, 10, 0.9).gather(1, whole[0][:, None])
+    assert torch.allclose(whole[1], expected.squeeze(1), atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_decode_head_by_blocks_is_the_linear_head(monkeypatch, bias):
+    # 10 vocabulary rows in blocks of 4, 4, 2; hidden [2, 1, 3] as in a decoding step
+    monkeypatch.setattr(hf, "HEAD_BLOCK", 4)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(10, 3, generator=gen)
+    b = torch.randn(10, generator=gen) if bias else None
+    hidden = torch.randn(2, 1, 3, generator=gen)
+    got = head_by_blocks(weight, b, hidden)
+    assert got.shape == (2, 1, 10) and got.is_contiguous()
+    assert torch.allclose(got, torch.nn.functional.linear(hidden, weight, b), atol=1e-6)
 
 
 def test_shared_prompt_cache_gives_the_same_greedy_rollouts(engine):
@@ -203,3 +248,22 @@ def test_finished_rows_leave_the_batch_and_the_others_decode_unchanged(
         assert (ended.behaviour_logp[row, n:] == 0).all()
         assert (ended.completion_ids[row, n:] == engine.tokenizer.pad_token_id).all()
     assert ended.completion_ids.shape[1] == max(int(m.sum()) for m in ended.completion_mask)
+
+
+def test_fp32_decoding_uses_the_head_by_blocks_and_bf16_does_not(engine, monkeypatch):
+    ids, mask = _prompts(engine, ["hi", "a longer prompt here"])
+    greedy = Sampling(max_new_tokens=6, temperature=0.0, group_size=2)
+    plain = engine.generate(ids, mask, greedy)  # the tiny vocabulary in one block
+    calls = []
+    monkeypatch.setattr(hf, "HEAD_BLOCK", 7)  # the tiny vocabulary in several blocks
+    original = hf.head_by_blocks
+    monkeypatch.setattr(hf, "head_by_blocks", lambda *a: calls.append(1) or original(*a))
+    blocked = engine.generate(ids, mask, greedy)
+    assert len(calls) == blocked.completion_ids.shape[1]  # every decoding step
+    assert torch.equal(blocked.completion_ids, plain.completion_ids)
+    assert torch.allclose(blocked.behaviour_logp, plain.behaviour_logp, atol=1e-5)
+    assert "forward" not in vars(engine.model.get_output_embeddings())  # restored
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.generate(ids, mask, greedy)
+    assert calls == []
