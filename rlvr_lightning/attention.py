@@ -79,21 +79,66 @@ def grouped_attention(
         )
     g = h // k_heads
     scale = d**-0.5 if scaling is None else scaling
-    q = query.reshape(b, k_heads, g * q_len, d)  # query heads of one kv head stacked
-    scores = torch.matmul(q, key.transpose(-1, -2)).view(b, k_heads, g, q_len, kv_len)
-    scores = scores.float() * scale  # [B, K, g, Q, L]
+    dtype = torch.get_autocast_dtype("cpu") if autocast else query.dtype
     if attention_mask is not None:
         allowed = attention_mask[:, :, None]  # [B, 1, 1, Q, L]
     elif q_len > 1:
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
     else:
         allowed = None
-    if allowed is not None:
-        # A finite fill: a fully masked row (a padding query) gets uniform weights, not NaN.
-        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-    probs = scores.softmax(-1).to(value.dtype).view(b, k_heads, g * q_len, kv_len)
-    out = torch.matmul(probs, value)  # [B, K, g * Q, D]
+    q = query.to(dtype).reshape(b, k_heads, g * q_len, d)  # query heads of one kv head stacked
+    key, value = key.to(dtype), value.to(dtype)  # [B, K, L, D]
+    with torch.autocast("cpu", enabled=False):
+        if torch.is_grad_enabled() and (
+            q.requires_grad or key.requires_grad or value.requires_grad
+        ):
+            out = _Attention.apply(q, key, value, allowed, scale, g)  # [B, K, g * Q, D]
+        else:
+            out = torch.matmul(_probs(q, key, allowed, scale, g).to(dtype).flatten(2, 3), value)
     return out.view(b, h, q_len, d).transpose(1, 2).contiguous(), None
+
+
+def _probs(
+    q: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor | None, scale: float, g: int
+) -> torch.Tensor:
+    """fp32 ``[B, K, g, Q, L]`` attention weights of the stacked queries ``q`` ``[B, K, g * Q,
+    D]``. A finite fill: a fully masked row (a padding query) gets uniform weights, not NaN."""
+    b, k_heads, gq, _ = q.shape
+    scores = torch.matmul(q, key.transpose(-1, -2)).view(b, k_heads, g, gq // g, -1)
+    scores = scores.float() * scale  # [B, K, g, Q, L]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return scores.softmax(-1)
+
+
+class _Attention(torch.autograd.Function):
+    """``softmax(q k^T * scale + mask) v`` keeping only ``q``, ``k``, ``v`` and the mask for the
+    backward, which recomputes the weights (as SDPA's kernels do): the ``[B, H, Q, L]`` fp32
+    weights and their low-precision copy are not kept per layer. The backward mirrors plain
+    autograd on the forward's ops: fp32 softmax gradient, matmuls in the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx, q, key, value, allowed, scale, g):
+        probs = _probs(q, key, allowed, scale, g).to(value.dtype).flatten(2, 3)  # [B, K, gQ, L]
+        ctx.save_for_backward(q, key, value, allowed)
+        ctx.scale, ctx.g = scale, g
+        return torch.matmul(probs, value)  # [B, K, g * Q, D]
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, key, value, allowed = ctx.saved_tensors
+        with torch.autocast("cpu", enabled=False):
+            probs = _probs(q, key, allowed, ctx.scale, ctx.g)  # [B, K, g, Q, L]
+            d_out = d_out.to(value.dtype)  # [B, K, g * Q, D]
+            d_value = probs.to(value.dtype).flatten(2, 3).transpose(-1, -2) @ d_out
+            d_probs = (d_out @ value.transpose(-1, -2)).float().view_as(probs)
+            d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+            if allowed is not None:
+                d_scores = d_scores.masked_fill(~allowed, 0.0)
+            d_scores = (d_scores * ctx.scale).to(q.dtype).flatten(2, 3)  # [B, K, g * Q, L]
+            d_q = d_scores @ key  # [B, K, g * Q, D]
+            d_key = d_scores.transpose(-1, -2) @ q  # [B, K, L, D]
+        return d_q, d_key, d_value, None, None, None
 
 
 def register() -> None:

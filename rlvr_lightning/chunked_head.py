@@ -3,9 +3,9 @@
 ``head_logprobs(h, W, b, y, T)`` is ``log_softmax((h W^T + b) / T)[y]`` for ``M`` tokens, with
 only one ``[chunk, vocab_block]`` block of logits alive at a time, in forward and in backward
 (which recomputes each block from ``h`` instead of saving it): the forward keeps a running
-logsumexp over the vocabulary blocks (the entropy, which needs it first, takes a ``[chunk, V]``
-block). Plain autograd on the model's logits keeps the whole ``[M, V]`` block and its fp32 copy
-for backward; with V = 49152 that is most of an update's memory.
+logsumexp (and entropy) over the vocabulary blocks. Plain autograd on the model's logits keeps
+the whole ``[M, V]`` block and its fp32 copy for backward; with V = 49152 that is most of an
+update's memory.
 
 Gradients, with ``s = z / T`` the scaled logits of one row, ``p = softmax(s)``, ``H`` its
 entropy and ``g_l``, ``g_e`` the incoming gradients of the log-prob and the entropy:
@@ -89,7 +89,7 @@ def _score_grad(
     return grad
 
 
-def _logz_and_label(
+def _logz_label_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -97,19 +97,36 @@ def _logz_and_label(
     temperature: torch.Tensor,
     reduce_dtype: torch.dtype,
     block: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([m] logsumexp, [m] label score)`` of the scaled logits, ``block`` vocabulary entries
-    at a time (a running ``logaddexp``); both from the same matmuls."""
-    logz = label = None
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``([m] logsumexp, [m] label score, [m] entropy or None)`` of the scaled logits, ``block``
+    vocabulary entries at a time, all from the same matmuls.
+
+    Running over the blocks with ``c`` the largest score so far: ``S0 = sum exp(s - c)`` and
+    ``S1 = sum exp(s - c) (s - c)``, rescaled when ``c`` grows. Then ``logsumexp = c + log S0``
+    and the entropy ``logsumexp - E_p[s] = log S0 - S1 / S0``: both terms are O(log V), so no
+    digits are lost to cancellation when the logits are large.
+    """
+    top = s0 = s1 = label = None
     for cols in _row_chunks(weight.shape[0], block):
         s = _scores(hidden, weight[cols], _pick(bias, cols), temperature, reduce_dtype)  # [m, v]
-        z = torch.logsumexp(s, dim=-1)  # [m]
         local = labels - cols.start  # [m]
         here = (local >= 0) & (local < s.shape[-1])  # [m]
         picked = s.gather(-1, local.clamp(0, s.shape[-1] - 1)[:, None]).squeeze(-1)  # [m]
-        logz = z if logz is None else torch.logaddexp(logz, z)
         label = torch.where(here, picked, picked if label is None else label)
-    return logz, label
+        new_top = s.amax(-1) if top is None else torch.maximum(top, s.amax(-1))  # [m]
+        shifted = s.sub_(new_top[:, None])  # [m, v] s - c, <= 0
+        weights = shifted.exp()  # [m, v]
+        b0 = weights.sum(-1)  # [m]
+        b1 = weights.mul_(shifted).sum(-1) if with_entropy else None  # [m]
+        if top is not None:
+            decay = (top - new_top).exp()  # [m] rescale the running sums to the new maximum
+            if with_entropy:
+                b1 = b1 + decay * (s1 + (top - new_top) * s0)
+            b0 = b0 + decay * s0
+        top, s0, s1 = new_top, b0, b1
+    logz = top + s0.log()
+    return logz, label, (s0.log() - s1 / s0) if with_entropy else None
 
 
 def _row_chunks(rows: int, chunk: int) -> list[slice]:
@@ -144,20 +161,12 @@ class _HeadLogProbs(torch.autograd.Function):
             temp = temperature.to(reduce_dtype)  # [M]
             logp, logz, ent = [], [], []
             for rows in _row_chunks(hidden.shape[0], chunk):
-                if not with_entropy:  # the vocabulary in blocks
-                    z, label = _logz_and_label(
-                        hidden[rows], w, b, labels[rows], temp[rows], reduce_dtype, block
-                    )  # [m], [m]
-                    logp.append(label - z)
-                    logz.append(z)
-                    continue
-                # The entropy needs log p over the whole row, i.e. logz first: one [m, V] block.
-                s = _scores(hidden[rows], w, b, temp[rows], reduce_dtype)  # [m, V]
-                z = torch.logsumexp(s, dim=-1)  # [m]
-                log_probs = s.sub_(z[:, None])  # [m, V]
-                logp.append(log_probs.gather(-1, labels[rows, None]).squeeze(-1))
+                z, label, h = _logz_label_entropy(
+                    hidden[rows], w, b, labels[rows], temp[rows], reduce_dtype, block, with_entropy
+                )  # [m] each
+                logp.append(label - z)
                 logz.append(z)
-                ent.append(-log_probs.exp().mul_(log_probs).sum(-1))
+                ent.append(h)
         logp, logz = torch.cat(logp), torch.cat(logz)  # [M], [M]
         entropy = torch.cat(ent) if with_entropy else logp.new_empty(0)  # [M] or [0]
         ctx.entropy_grad = with_entropy and entropy_grad
@@ -222,9 +231,8 @@ def head_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[M]`` of ``labels`` under ``softmax((hidden @ weight.T + bias) /
     temperature)``, and their entropies ``[M]`` when ``with_entropy`` (else None), in chunks of
-    ``chunk_tokens`` rows, each over ``vocab_block`` vocabulary entries at a time (the
-    forward of the entropy takes a row's whole vocabulary at once); fp32 (fp64 for fp64
-    inputs).
+    ``chunk_tokens`` rows, each over ``vocab_block`` vocabulary entries at a time; fp32
+    (fp64 for fp64 inputs).
 
     Gradients reach ``hidden``, ``weight`` and ``bias`` (a tied input embedding accumulates
     both uses, as autograd does). The entropy is differentiable only with ``entropy_grad``

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from rlvr_lightning import attention, hub
+from rlvr_lightning import attention, hub, lean_layers
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,8 +82,10 @@ def load_policy(
         from rlvr_lightning.testing import tiny_policy
 
         model, tokenizer = tiny_policy(seed=int(name.split(":", 1)[1] or 0))
+        model = model.to(torch_dtype)
         attention.prefer_grouped(model)
-        return model.to(torch_dtype), tokenizer
+        lean_layers.install(model)
+        return model, tokenizer
     if name == EMBEDDED_DEFAULT:
         path: str | Path = embedded_model_path()
     elif name.startswith("embedded:"):
@@ -101,7 +103,9 @@ def load_policy(
         path = hub.resolve_hub_model(name)  # `org/name` or `org/name@revision`
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        # Hub kernels off: they would be downloaded at run time, and kernelizing (on every
+        # train()/eval()) resets the forwards that lean_layers installs.
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_kernels=False)
     except OSError as err:
         raise OSError(
             f"Could not load policy {name!r}: {err}\nUse a local folder with a saved model, or the "
@@ -110,6 +114,7 @@ def load_policy(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     attention.prefer_grouped(model)  # SDPA's CPU kernels are slow at RL's shapes
+    lean_layers.install(model)  # the update keeps less for the backward
     return model, tokenizer
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import torch
 
-from rlvr_lightning import correction, ranks
+from rlvr_lightning import correction, heap, ranks
 from rlvr_lightning.precision import weights_cast_once
 from rlvr_lightning.types import Scored
 
@@ -50,7 +50,7 @@ class UpdateStage(pl.LightningModule):
                         advantages,
                         mb,
                         self.reference_logprobs,
-                        self.manual_backward,
+                        self._backward,
                         mean_over_ranks=self._mean_over_ranks,
                         no_sync=lambda: ranks.no_backward_sync(self.trainer.strategy),
                         value=value,
@@ -72,6 +72,14 @@ class UpdateStage(pl.LightningModule):
                 opt.step()
                 sched.step()
         return metrics
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward; then the pages of its freed activations go back to the
+        OS (``heap.release_free_pages``), so the next micro-batch does not grow the resident
+        size beside them."""
+        heap.release_free_pages()
+        self.manual_backward(loss)
+        heap.release_free_pages()
 
     def _nonfinite_problem(self, loss: float, value_loss: float) -> tuple[str, float] | None:
         """``(what, value)`` of the first non-finite loss or gradient norm, else None."""

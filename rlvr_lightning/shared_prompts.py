@@ -59,11 +59,39 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def sparse_lookup(model: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
+    """``model.get_input_embeddings()(ids)`` with a sparse gradient, when autograd records and
+    the table is a plain ``nn.Embedding`` (no hooks) whose weight is also the LM head's (tied,
+    as in the embedded model); else None. The head's dense gradient already covers the whole
+    weight, and a dense lookup backward would build and zero a ``[V, H]`` tensor per call
+    (113 MB in fp32 for the embedded model) only to add a few rows."""
+    table = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if not (
+        torch.is_grad_enabled()
+        and type(table) is nn.Embedding
+        and not (table._forward_hooks or table._forward_pre_hooks)
+        and table.max_norm is None
+        and head is not None
+        and getattr(head, "weight", None) is table.weight
+    ):
+        return None
+    return nn.functional.embedding(
+        ids,
+        table.weight,
+        table.padding_idx,
+        scale_grad_by_freq=table.scale_grad_by_freq,
+        sparse=True,
+    )
+
+
 def prompt_pass(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor):
     """The model's output on left-padded prompts ``[b, p]`` (mask ``[b, p]``): the logits of
     the last position and the key/value cache of all of them (``out[cache_kwarg(model)]``)."""
+    embeds = sparse_lookup(model, ids)  # [b, p, H] or None
     return model(
-        input_ids=ids,
+        input_ids=ids if embeds is None else None,
+        inputs_embeds=embeds,
         attention_mask=mask,
         position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
@@ -125,7 +153,9 @@ def shared_prompt_logits(
     cache = out[cache_kwarg(model)]
     # One embedding lookup for all completion passes: the backward of every lookup builds a
     # dense [V, H] gradient (~30 ms for SmolLM2-135M on 2 CPU cores).
-    embeds = model.get_input_embeddings()(completion_ids[:, :-1])  # [n, t - 1, H]
+    embeds = sparse_lookup(model, completion_ids[:, :-1])  # [n, t - 1, H]
+    if embeds is None:
+        embeds = model.get_input_embeddings()(completion_ids[:, :-1])
     buckets = None
     if pass_tokens is not None and _copyable(cache):
         buckets = [b for b in length_buckets(lengths, pass_tokens) if int(lengths[b].max()) > 1]

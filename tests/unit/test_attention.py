@@ -131,3 +131,42 @@ def test_prefer_grouped_leaves_other_implementations_alone():
     model.set_attn_implementation("eager")
     attention.prefer_grouped(model)
     assert model.config._attn_implementation == "eager"
+
+
+def test_the_backward_recomputes_the_weights_instead_of_keeping_them(pair):
+    """No ``[.., Q, L]`` float tensor (scores, weights, their bf16 copy) is kept per layer."""
+    _, grouped = pair
+    ids, mask, pos = _left_padded(5)
+    shapes = []
+
+    def pack(t):
+        shapes.append((t.dtype, tuple(t.shape)))
+        return t
+
+    for autocast in (False, True):
+        shapes.clear()
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            grouped(input_ids=ids, attention_mask=mask, position_ids=pos)
+        assert shapes  # the hook saw the forward
+        assert not [s for d, s in shapes if d.is_floating_point and s[-2:] == (9, 9)]
+
+
+def test_bf16_gradients_no_further_from_fp32_than_sdpas(pair):
+    sdpa, grouped = pair
+    ids, mask, pos = _left_padded(6)
+    real = mask.bool()
+
+    def grads(model, autocast):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        logits[real].float().logsumexp(-1).sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    exact = grads(sdpa, False)
+    err_sdpa = (grads(sdpa, True) - exact).norm()
+    err_grouped = (grads(grouped, True) - exact).norm()
+    assert err_grouped <= 1.5 * err_sdpa

@@ -189,3 +189,31 @@ def test_chunk_size_is_validated() -> None:
         head_logprobs(h, w, b, labels, temperature, 0)
     with pytest.raises(ValueError, match="vocab_block"):
         head_logprobs(h, w, b, labels, temperature, 4, vocab_block=0)
+
+
+@pytest.mark.parametrize("block", [2, 5, 13])
+def test_running_entropy_keeps_its_digits_for_large_and_peaked_logits(block: int) -> None:
+    # Rows: logits ~1e3 apart (entropy ~0), a flat row (entropy log 13), logits shifted by
+    # +5e3 (the same entropies); the running sums over blocks give the fp64 reference's values
+    # in fp32, the largest logit in any block of the row.
+    w = torch.eye(13)  # logits = hidden, so the rows below are the logits themselves
+    h = torch.stack(
+        [
+            torch.arange(13.0) * 1e3,
+            torch.zeros(13),
+            torch.arange(13.0).flip(0) * 0.5 + 5e3,
+            torch.linspace(-3.0, 3.0, 13) * 7,
+        ]
+    )
+    labels, temperature = torch.tensor([12, 3, 0, 5]), torch.ones(4)
+    logp, entropy = head_logprobs(
+        h, w, None, labels, temperature, vocab_block=block, with_entropy=True
+    )
+    ref = torch.log_softmax(h.double(), -1)  # [4, 13]
+    ref_entropy = -(ref.exp() * ref).sum(-1)
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=2e-6, rtol=1e-5)
+    # log p = label score - logsumexp, both ~5e3 in row 2: fp32's spacing there is 4.9e-4
+    torch.testing.assert_close(
+        logp.double(), ref.gather(1, labels[:, None]).squeeze(1), atol=1e-3, rtol=1e-5
+    )
+    assert abs(float(entropy[1]) - math.log(13)) < 1e-5 and float(entropy[0]) < 1e-6

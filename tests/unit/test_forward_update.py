@@ -147,3 +147,50 @@ def test_length_buckets_give_the_one_pass_values_and_gradients():
         torch.testing.assert_close(results[0][1], other[1], atol=1e-5, rtol=1e-5)
         for a, b in zip(results[0][2], other[2], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_tied_embeddings_take_a_sparse_lookup_with_the_dense_lookups_gradient(monkeypatch):
+    from rlvr_lightning import shared_prompts
+
+    model, r = _rollouts(seed=3)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    lookups = []
+    sparse = shared_prompts.sparse_lookup
+    results, counts = [], []
+    for use_sparse in (True, False):
+        lookups.clear()
+        monkeypatch.setattr(
+            shared_prompts,
+            "sparse_lookup",
+            (lambda m, ids: lookups.append(1) or sparse(m, ids))
+            if use_sparse
+            else (lambda *a: None),
+        )
+        model.zero_grad()
+        lp, _ = completion_logprobs(
+            model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.temperature
+        )
+        (lp * r.completion_mask).sum().backward()
+        weight_grad = model.get_input_embeddings().weight.grad
+        assert not weight_grad.is_sparse
+        results.append([p.grad.clone() for p in model.parameters()])
+        counts.append(len(lookups))
+    assert counts == [2, 0]  # the prompts' and the completions' lookups; then both dense
+    for a, b in zip(results[0], results[1], strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_sparse_lookup_only_for_a_plain_tied_table_under_autograd():
+    from rlvr_lightning.shared_prompts import sparse_lookup
+
+    model, _ = tiny_policy(seed=0)
+    ids = torch.tensor([[5, 6, 7]])
+    out = sparse_lookup(model, ids)
+    assert out is not None and torch.equal(out, model.get_input_embeddings()(ids))
+    with torch.no_grad():
+        assert sparse_lookup(model, ids) is None
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda *_: None)
+    assert sparse_lookup(model, ids) is None  # hooks expect the module to run
+    handle.remove()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    assert sparse_lookup(model, ids) is None
