@@ -36,6 +36,23 @@ DEFAULT_CHUNK_TOKENS = 1024
 # and 0.52-0.55 s in one block (2048: about the same; 16384: 0.98 s and 0.53 s).
 VOCAB_BLOCK = 4096
 
+# The forward keeps its blocks of scaled logits for the backward, instead of recomputing them
+# there, when the matmuls run in fp32 or wider and all of them fit in this many bytes: in fp32
+# the recompute is a quarter of the head's matmul work (0.18 s for 640 tokens of the embedded
+# model on 2 cores), and 640 tokens' logits take 126 MB. In bf16 the matmul is cheap and memory
+# is what bf16 is for. 2**28 (256 MiB): this project's choice.
+KEEP_LOGITS_BYTES = 2**28
+
+
+def _keep_logits(tokens: int, vocab: int, dtype: torch.dtype) -> bool:
+    """Whether the forward keeps the ``[tokens, vocab]`` scaled logits (see KEEP_LOGITS_BYTES)."""
+    wide = torch.finfo(dtype).bits >= 32
+    return (
+        wide
+        and tokens * vocab * torch.finfo(torch.promote_types(dtype, torch.float32)).bits // 8
+        <= KEEP_LOGITS_BYTES
+    )
+
 
 def head_compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the head's matmul runs in: autocast's for ``hidden``'s device when it is on
@@ -98,9 +115,11 @@ def _logz_label_entropy(
     reduce_dtype: torch.dtype,
     block: int,
     with_entropy: bool,
+    kept: list[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``([m] logsumexp, [m] label score, [m] entropy or None)`` of the scaled logits, ``block``
-    vocabulary entries at a time, all from the same matmuls.
+    vocabulary entries at a time, all from the same matmuls; each block of scaled logits is
+    appended to ``kept`` when given.
 
     Running over the blocks with ``c`` the largest score so far: ``S0 = sum exp(s - c)`` and
     ``S1 = sum exp(s - c) (s - c)``, rescaled when ``c`` grows. Then ``logsumexp = c + log S0``
@@ -115,7 +134,9 @@ def _logz_label_entropy(
         picked = s.gather(-1, local.clamp(0, s.shape[-1] - 1)[:, None]).squeeze(-1)  # [m]
         label = torch.where(here, picked, picked if label is None else label)
         new_top = s.amax(-1) if top is None else torch.maximum(top, s.amax(-1))  # [m]
-        shifted = s.sub_(new_top[:, None])  # [m, v] s - c, <= 0
+        if kept is not None:
+            kept.append(s)
+        shifted = s.sub_(new_top[:, None]) if kept is None else s - new_top[:, None]  # [m, v]
         weights = shifted.exp()  # [m, v]
         b0 = weights.sum(-1)  # [m]
         b1 = weights.mul_(shifted).sum(-1) if with_entropy else None  # [m]
@@ -160,9 +181,18 @@ class _HeadLogProbs(torch.autograd.Function):
             b = None if bias is None else bias.to(dtype)  # [V]
             temp = temperature.to(reduce_dtype)  # [M]
             logp, logz, ent = [], [], []
+            kept = [] if _keep_logits(hidden.shape[0], w.shape[0], dtype) else None
             for rows in _row_chunks(hidden.shape[0], chunk):
                 z, label, h = _logz_label_entropy(
-                    hidden[rows], w, b, labels[rows], temp[rows], reduce_dtype, block, with_entropy
+                    hidden[rows],
+                    w,
+                    b,
+                    labels[rows],
+                    temp[rows],
+                    reduce_dtype,
+                    block,
+                    with_entropy,
+                    kept,
                 )  # [m] each
                 logp.append(label - z)
                 logz.append(z)
@@ -173,7 +203,7 @@ class _HeadLogProbs(torch.autograd.Function):
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
-        ctx.chunk, ctx.block = chunk, block
+        ctx.chunk, ctx.block, ctx.kept = chunk, block, kept
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(hidden, w, b, labels, temp, logz, entropy)
         return logp, entropy
@@ -189,12 +219,18 @@ class _HeadLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
         grad_w = w.new_zeros(w.shape, dtype=temp.dtype) if need_w else None  # [V, H]
         grad_b = w.new_zeros(w.shape[0], dtype=temp.dtype) if need_b else None  # [V]
+        kept, k = ctx.kept, 0
         with torch.autocast(hidden.device.type, enabled=False):
             for rows in _row_chunks(hidden.shape[0], ctx.chunk):
                 h = hidden[rows].to(w.dtype)  # [m, H]
                 dh = h.new_zeros(h.shape, dtype=temp.dtype) if need_h else None  # [m, H]
                 for cols in _row_chunks(w.shape[0], ctx.block):
-                    s = _scores(h, w[cols], _pick(b, cols), temp[rows], temp.dtype)  # [m, v]
+                    s = None if not kept else kept[k]  # used once: a second backward recomputes
+                    if s is None:
+                        s = _scores(h, w[cols], _pick(b, cols), temp[rows], temp.dtype)  # [m, v]
+                    else:
+                        kept[k] = None
+                    k += 1
                     dz = _score_grad(
                         s,
                         labels[rows],

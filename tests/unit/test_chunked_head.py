@@ -217,3 +217,32 @@ def test_running_entropy_keeps_its_digits_for_large_and_peaked_logits(block: int
         logp.double(), ref.gather(1, labels[:, None]).squeeze(1), atol=1e-3, rtol=1e-5
     )
     assert abs(float(entropy[1]) - math.log(13)) < 1e-5 and float(entropy[0]) < 1e-6
+
+
+def test_kept_logits_give_the_recomputed_gradients_and_a_second_backward_recomputes(
+    monkeypatch,
+) -> None:
+    from rlvr_lightning import chunked_head
+
+    calls = []
+    scores = chunked_head._scores
+    monkeypatch.setattr(chunked_head, "_scores", lambda *a: calls.append(1) or scores(*a))
+    results = []
+    for keep_bytes in (0, 2**28):  # recompute, then keep (11 x 13 fp32 logits fit)
+        monkeypatch.setattr(chunked_head, "KEEP_LOGITS_BYTES", keep_bytes)
+        h, w, b, labels, temperature = _problem()
+        logp, entropy = head_logprobs(
+            h, w, b, labels, temperature, 4, with_entropy=True, entropy_grad=True, vocab_block=5
+        )
+        loss = (logp * torch.arange(11.0)).sum() + entropy.sum()
+        calls.clear()
+        first = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
+        backward_calls = len(calls)
+        second = torch.autograd.grad(loss, (h, w, b))  # kept blocks are gone: recomputed
+        results.append((first, backward_calls, second, len(calls) - backward_calls))
+    (recomputed, n_recompute, _, _), (kept, n_kept, again, n_again) = results
+    assert n_recompute == 3 * 3 and n_kept == 0 and n_again == 3 * 3  # 3 row x 3 vocab blocks
+    for a, e, r in zip(kept, recomputed, again, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(r, e, atol=1e-6, rtol=1e-6)
+    assert not chunked_head._keep_logits(11, 13, torch.bfloat16)  # bf16 matmuls recompute
