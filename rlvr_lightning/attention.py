@@ -18,7 +18,10 @@ values per query head), the softmax in fp32, when the matmuls run in a ``MATMUL_
 (autocast's, else the query's). It falls back to ``transformers``' SDPA function for other
 dtypes, off the CPU, for features it does not implement (logit soft-capping, attention sinks,
 position biases, dropout in training), and when the score matrix of a layer would exceed
-``MAX_SCORES`` elements (math attention keeps it for the backward; SDPA does not).
+``MAX_SCORES`` elements (the matmuls build it whole; SDPA's kernels work in tiles). With
+autograd recording it keeps only ``q``, ``k``, ``v`` and the mask and recomputes the weights in
+the backward (``_Attention``), as SDPA's kernels do: a 16-row update micro-batch of the embedded
+model in bf16 otherwise kept ~130 MB of fp32 weights and their bf16 copies.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "rlvr_grouped"
 
 # Largest score matrix (rows x query heads x queries x keys) computed as matmuls; above it,
-# SDPA. 2**21 fp32 scores are 8 MiB per layer: this project's choice, so that the update of a
-# 64-row micro-batch of ~100-token rows stays on the fast path while long sequences do not
-# keep O(length^2) memory per layer for the backward.
+# SDPA. 2**21 fp32 scores are 8 MiB: this project's choice, so that the update of a 64-row
+# micro-batch of ~100-token rows stays on the fast path while long sequences do not build
+# O(length^2) blocks.
 MAX_SCORES = 2**21
 
 # Dtypes the matmul path runs in (fp64, e.g. gradcheck, keeps SDPA).

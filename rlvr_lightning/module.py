@@ -111,6 +111,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             (``lifecycle.lr_factor``), which must then be set.
         min_lr_ratio: the decay's floor, as a share of ``lr``.
         grad_clip: max gradient norm (None = no clipping).
+        trim_heap: after each micro-batch's backward, return the C heap's free pages to the OS
+            (``heap.py``: lower peak memory, ~10% more update time as pages fault back in);
+            None = only under autocast (bf16/fp16), where fragmentation sets the peak.
         kl_coef: weight of the KL-to-reference term in the loss; 0 skips the reference model.
         kl_estimator: ``k1``, ``k2`` or ``k3`` (spec §8.6).
         entropy_coef: weight of an entropy bonus in the loss.
@@ -193,6 +196,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         lr_decay: Literal["none", "linear", "cosine"] = "none",
         min_lr_ratio: float = 0.0,
         grad_clip: float | None = 1.0,
+        trim_heap: bool | None = None,
         kl_coef: float = 0.0,
         kl_estimator: Literal["k1", "k2", "k3"] = "k3",
         entropy_coef: float = 0.0,

@@ -74,12 +74,17 @@ class UpdateStage(pl.LightningModule):
         return metrics
 
     def _backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's backward; then the pages of its freed activations go back to the
-        OS (``heap.release_free_pages``), so the next micro-batch does not grow the resident
-        size beside them."""
-        heap.release_free_pages()
+        """One micro-batch's backward; with ``trim_heap`` the heap's free pages go back to the
+        OS before and after it (``heap.release_free_pages``), so that a micro-batch does not
+        grow the resident size beside the pages the previous one freed."""
+        trim = self.hparams.trim_heap
+        if trim is None:
+            trim = torch.is_autocast_enabled(self.device.type)
+        if trim:
+            heap.release_free_pages()
         self.manual_backward(loss)
-        heap.release_free_pages()
+        if trim:
+            heap.release_free_pages()
 
     def _nonfinite_problem(self, loss: float, value_loss: float) -> tuple[str, float] | None:
         """``(what, value)`` of the first non-finite loss or gradient norm, else None."""

@@ -49,3 +49,30 @@ def test_the_fused_optimiser_still_clips_the_gradient_norm(precision):
     grads = [p.grad for p in module.policy.parameters() if p.grad is not None]
     norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
     assert 0 < norm <= 1e-4 * 1.001  # the step's gradient, as clipped before opt.step()
+
+
+@pytest.mark.parametrize(
+    ("precision", "trim_heap", "expected"),
+    [
+        ("bf16-mixed", None, True),
+        ("32-true", None, False),
+        ("32-true", True, True),
+        ("bf16-mixed", False, False),
+    ],
+)
+def test_heap_trimmed_around_each_backward_under_autocast_or_when_asked(
+    monkeypatch, precision, trim_heap, expected
+):
+    from rlvr_lightning import heap
+
+    calls, backwards = [], []
+    monkeypatch.setattr(heap, "release_free_pages", lambda: calls.append(1) or True)
+    torch.manual_seed(0)
+    module = tiny_module(trim_heap=trim_heap, micro_batch_size=4)  # 8 rows: 2 micro-batches
+    monkeypatch.setattr(
+        module, "manual_backward", lambda loss: backwards.append(1) or loss.backward()
+    )
+    data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+    quiet_trainer(max_steps=1, precision=precision).fit(module, datamodule=data)
+    assert len(backwards) == 2
+    assert len(calls) == (2 * len(backwards) if expected else 0)
