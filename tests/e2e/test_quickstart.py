@@ -49,3 +49,27 @@ def test_quickstart_two_steps_evaluates_trains_and_exports(tmp_path, capsys):
     with torch.no_grad():
         out_ids = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out_ids.shape[1] > ids.shape[1]
+
+
+def test_embedded_conversion_parses_the_gguf_once(tmp_path, monkeypatch):
+    """transformers looks GGUFReader up on the gguf module at call time; if it ever imports it
+    at module level, gguf_parsed_once stops saving the two extra parses (~8 s of ~13 s)."""
+    import gguf
+
+    from rlvr_lightning import models
+
+    opened = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            opened.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    folder = models.embedded_model_path()
+    assert len(opened) == 1, opened
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.num_hidden_layers == 30
+    assert AutoTokenizer.from_pretrained(folder)("What is 8 + 2?")["input_ids"]
+    assert torch.isfinite(model.get_input_embeddings().weight).all()
