@@ -187,14 +187,29 @@ def _write_blocked(err: BaseException, directory: Path, written: int) -> tuple[s
     return None
 
 
+def _stop_in(err: BaseException | None) -> TrainingStopped | None:
+    """The ``TrainingStopped`` that ``err`` is, or that it was raised while handling (torch's
+    zip writer raises "unexpected pos" when a stop interrupts ``torch.save``)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, TrainingStopped):
+            return err
+        seen.add(id(err))
+        err = err.__context__
+    return None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a temporary file beside the target, fsync, ``os.replace``.
 
     The temporary file is in the target's directory, not ``TMPDIR``: a rename across
     filesystems (EXDEV) would force an in-place write. A checkpoint marked with
     ``UNSAFE_KEY`` is not written (an error is logged instead); remote paths (fsspec) fall back
-    to Lightning's writer.
+    to Lightning's writer. ``writing`` is true while a file is being written:
+    ``CheckpointGuard`` then holds a stop signal until the write has ended.
     """
+
+    writing = False
 
     @override
     def save_checkpoint(
@@ -211,9 +226,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 describe_newest(dirs).capitalize(),
             )
             return
-        if not isinstance(path, Path) or storage_options is not None:
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
+        self.writing = True
+        try:
+            if not isinstance(path, Path) or storage_options is not None:
+                super().save_checkpoint(checkpoint, path, storage_options)
+            else:
+                self._write_atomically(checkpoint, path)
+        finally:
+            self.writing = False
+
+    def _write_atomically(self, checkpoint: dict[str, Any], path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
@@ -224,10 +246,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException as err:
-            written = _file_size(tmp)
+            # Judged before the partial file goes: deleting it gives its space back.
+            blocked = _write_blocked(err, path.parent, _file_size(tmp))
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            blocked = _write_blocked(err, path.parent, written)
+            stop = _stop_in(err)
+            if stop is not None and stop is not err:
+                raise stop from None  # a forced stop mid-write, not the writer's follow-up error
             if blocked is None:
                 raise
             reason, fix = blocked
@@ -282,8 +307,9 @@ class CheckpointGuard(Callback):
     """Makes checkpoints trustworthy around a ``fit``.
 
     Before training: every checkpoint directory must be writable. During training, SIGINT and
-    SIGTERM stop the run at once unless the weights are being updated; then the stop waits for
-    the step's optimiser steps to end (a second signal stops at once, and the step is not
+    SIGTERM stop the run at once unless the weights are being updated or a checkpoint file is
+    being written; then the stop waits for the update (or the write) to end and is taken at the
+    next step's start (a second signal stops at once; an interrupted update is then not
     saved). The stop raises ``TrainingStopped`` (exit code ``128 + signum``), so the
     on-exception checkpoints hold the state at the end of a completed step.
     """
@@ -293,6 +319,7 @@ class CheckpointGuard(Callback):
         self._pending: int | None = None
         self._stopping = False
         self._module: Any = None
+        self._io: Any = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -302,6 +329,7 @@ class CheckpointGuard(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._module, self._pending, self._stopping = pl_module, None, False
+        self._io = trainer.strategy.checkpoint_io
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in STOP_SIGNALS:
@@ -321,14 +349,19 @@ class CheckpointGuard(Callback):
             self._stopping = True
             raise TrainingStopped(signum, forced=True)
         if getattr(self._module, "updating_weights", False):
-            self._pending = signum
-            log.warning(
-                "%s received during the weight update: stopping when it ends. Send it again "
-                "to stop now without saving this step.",
-                name,
-            )
+            during = "the weight update"
+        elif getattr(self._io, "writing", False):
+            during = "a checkpoint write"
+        else:
+            self._stop(signum)
             return
-        self._stop(signum)
+        self._pending = signum
+        log.warning(
+            "%s received during %s: stopping when it ends. Send it again to stop now without "
+            "saving this step.",
+            name,
+            during,
+        )
 
     def _stop(self, signum: int) -> None:
         self._stopping = True

@@ -100,6 +100,49 @@ def test_sigterm_from_outside_saves_and_exits_143(tmp_path):
     assert last["global_step"] >= 1 and checkpointing.UNSAFE_KEY not in last
 
 
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_mid_write_finishes_the_file_then_stops_143(tmp_path, monkeypatch, caplog, signals):
+    """A stop signal inside ``torch.save`` used to break the zip writer ("unexpected pos"):
+    exit code 1 and the file lost. Now one signal waits for the write; a second stops at once,
+    still with 143 and no partial file."""
+    real_save, saves = torch.save, []
+
+    class SignalledFile:  # torch.save's target; sends SIGTERM on given write calls of save 3
+        def __init__(self, f, at: tuple[int, ...]):
+            self.f, self.at, self.calls = f, at, 0
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls in self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    def save(obj, f):
+        saves.append(1)
+        at = (2, 4)[:signals] if len(saves) == 3 else ()  # save 3: step 2's step file
+        return real_save(obj, SignalledFile(f, at))
+
+    monkeypatch.setattr(checkpointing.torch, "save", save)
+    d = tmp_path / "c"
+    args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
+    args += ["--trainer.max_steps=5", "--trainer.limit_val_batches=0", *ckpt_flags(d, every=1)]
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 143
+    assert not list(d.glob(".*.tmp")), "a temporary file was left behind"
+    assert "SIGTERM received during a checkpoint write: stopping when it ends" in caplog.text
+    if signals == 2:
+        assert "SIGTERM received again: stopping now" in caplog.text
+    # Finished, or (second signal) written again by the on-exception save: step 2 either way.
+    assert torch.load(d / "epoch=0-step=2.ckpt", weights_only=False)["global_step"] == 2
+    assert torch.load(d / "last.ckpt", weights_only=False)["global_step"] == 2
+    for path in d.glob("*.ckpt"):
+        assert checkpointing.readable(path), path
+
+
 # ---- 3. SIGINT mid-step: one consistent state, resumed bit-identically ------------------------
 
 
@@ -234,9 +277,12 @@ def test_a_full_disk_stops_the_cli_naming_the_disk_and_the_newest_good_checkpoin
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
 
     monkeypatch.setattr(checkpointing.torch, "save", save_until_full)
-    monkeypatch.setattr(
-        checkpointing.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9, 2**20)
-    )
+
+    def disk_usage(directory):  # the disk is full while the partial file is on it, not after
+        full = any(Path(directory).glob(".*.tmp"))
+        return shutil._ntuple_diskusage(10**9, 10**9, 2**20 if full else 10**9)
+
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", disk_usage)
     args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
     args += ["--trainer.max_steps=3", "--trainer.limit_val_batches=0"]
     with pytest.raises(SystemExit) as stop:
