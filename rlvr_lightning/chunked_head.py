@@ -25,7 +25,8 @@ gradient. Precision follows ``nn.Linear`` under autocast: the matmul runs in the
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
+
+from rlvr_lightning import cpu_linear
 
 DEFAULT_CHUNK_TOKENS = 1024
 # Vocabulary entries per block of logits: each ``[chunk, V]`` block is computed in pieces of
@@ -72,7 +73,7 @@ def _scores(
 ) -> torch.Tensor:
     """``[m, V]`` logits / temperature in ``reduce_dtype``; a fresh tensor (safe to overwrite).
     The matmul runs in ``weight``'s dtype; dividing by 1.0 is exact, so no special case."""
-    logits = F.linear(hidden.to(weight.dtype), weight, bias)  # [m, V]
+    logits = cpu_linear.linear(hidden.to(weight.dtype), weight, bias)  # [m, V]
     return logits.to(reduce_dtype).div_(temperature[:, None])
 
 
@@ -243,10 +244,11 @@ class _HeadLogProbs(torch.autograd.Function):
                     if need_b:
                         grad_b[cols] += dz.sum(0)
                     dz = dz.to(w.dtype)  # the matmuls in the forward's dtype, as under autocast
-                    if need_h:
-                        dh += dz @ w[cols]  # summed over the blocks in fp32
-                    if need_w:
-                        grad_w[cols] += dz.T @ h  # accumulated in fp32 over the chunks
+                    onednn = cpu_linear.usable(dz, w)
+                    if need_h:  # dz @ w[cols], summed over the blocks in fp32
+                        dh += cpu_linear.mm_nt(dz, w[cols].t()) if onednn else dz @ w[cols]
+                    if need_w:  # dz^T @ h, accumulated in fp32 over the chunks
+                        grad_w[cols] += cpu_linear.mm_nt(dz.t(), h.t()) if onednn else dz.T @ h
                 if need_h:
                     grad_h[rows] = dh.to(hidden.dtype)
         grad_w = None if grad_w is None else grad_w.to(ctx.dtypes[0])

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rlvr_lightning import cpu_linear
+
 _ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
 _MLP_INPUTS = ("gate_proj", "up_proj")
 
@@ -68,7 +70,7 @@ class _SwiGLUDown(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias, dtype):
         with torch.autocast(gate.device.type, enabled=False):
             act = F.silu(gate.to(dtype)) * up.to(dtype)  # [..., I]
-            out = F.linear(act, weight.to(dtype), None if bias is None else bias.to(dtype))
+            out = cpu_linear.linear(act, weight.to(dtype), None if bias is None else bias.to(dtype))
         ctx.save_for_backward(gate, up, weight, bias)
         ctx.dtype = dtype
         return out
@@ -81,9 +83,15 @@ class _SwiGLUDown(torch.autograd.Function):
             g = grad.to(ctx.dtype)  # [..., H]
             gate_c, up_c = gate.to(ctx.dtype), up.to(ctx.dtype)  # [..., I]
             silu = F.silu(gate_c)
-            g_act = g @ weight.to(ctx.dtype)  # [..., I]
+            w = weight.to(ctx.dtype)  # [H, I]
             flat = g.reshape(-1, g.shape[-1])  # [n, H]
-            grad_w = flat.T @ (silu * up_c).reshape(-1, up.shape[-1]) if need_w else None
+            act = (silu * up_c).reshape(-1, up.shape[-1]) if need_w else None  # [n, I]
+            if cpu_linear.usable(g, w):
+                g_act = cpu_linear.mm_nt(flat, w.t()).view(*g.shape[:-1], w.shape[1])
+                grad_w = cpu_linear.mm_nt(flat.t(), act.t()) if need_w else None
+            else:
+                g_act = g @ w  # [..., I]
+                grad_w = flat.T @ act if need_w else None
             grad_b = flat.sum(0) if need_b else None  # [H]
             grad_up = (g_act * silu).to(up.dtype) if need_up else None
             grad_gate = torch.ops.aten.silu_backward(g_act * up_c, gate_c) if need_gate else None

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from rlvr_lightning import attention, hub, lean_layers
+from rlvr_lightning import attention, cpu_linear, hub, lean_layers
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,6 +125,7 @@ def load_policy(
         model = model.to(torch_dtype)
         attention.prefer_grouped(model)
         lean_layers.install(model)
+        cpu_linear.install(model)
         return model, tokenizer
     if name == EMBEDDED_DEFAULT:
         path: str | Path = embedded_model_path()
@@ -155,6 +156,7 @@ def load_policy(
         tokenizer.pad_token = tokenizer.eos_token
     attention.prefer_grouped(model)  # SDPA's CPU kernels are slow at RL's shapes
     lean_layers.install(model)  # the update keeps less for the backward
+    cpu_linear.install(model)  # fp32 products through oneDNN on the CPU (2x MKL here)
     return model, tokenizer
 
 

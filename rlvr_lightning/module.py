@@ -113,9 +113,10 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         grad_clip: max gradient norm (None = no clipping).
         trim_heap: after each micro-batch's backward, return the C heap's free pages to the OS
             (``heap.py``: lower peak memory, ~10% more update time as pages fault back in);
-            None = only on the CPU under autocast (bf16/fp16), where fragmentation sets the
-            peak. With one micro-batch a step there is nothing to trim between: false is
-            faster (the quickstart's step: 8.5 -> 7.4 s median).
+            None = on the CPU (fp32 with oneDNN's products, ``cpu_linear``: peak 4.82 ->
+            4.32 GiB for 6% more step time in ``vs_trl.py``). With one micro-batch a step
+            there is nothing to trim between: false is faster (the quickstart's step: 8.5 ->
+            7.4 s median).
         kl_coef: weight of the KL-to-reference term in the loss; 0 skips the reference model.
         kl_estimator: ``k1``, ``k2`` or ``k3`` (spec §8.6).
         entropy_coef: weight of an entropy bonus in the loss.

@@ -78,8 +78,8 @@ class UpdateStage(pl.LightningModule):
         OS before and after it (``heap.release_free_pages``), so that a micro-batch does not
         grow the resident size beside the pages the previous one freed."""
         trim = self.hparams.trim_heap
-        if trim is None:  # activations on the host heap, and autocast's fp32 state beside them
-            trim = self.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        if trim is None:  # activations on the host heap: trim there
+            trim = self.device.type == "cpu"
         if trim:
             heap.release_free_pages()
         self.manual_backward(loss)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlvr_lightning import models
+from rlvr_lightning import cpu_linear, models
 from rlvr_lightning.forward import completion_forward, fused_head
 from rlvr_lightning.heads import ValueHead
 from rlvr_lightning.module import RLVRModule
@@ -63,7 +63,10 @@ def _forward_and_grads(model, r, chunk, share, head=None):
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_fused_forward_matches_full_logits_in_value_and_gradient(share: bool) -> None:
+def test_fused_forward_matches_full_logits_in_value_and_gradient(share: bool, monkeypatch) -> None:
+    # The chunking's arithmetic, on one matmul kernel: the fused head would take oneDNN and the
+    # model's head MKL, which differ by fp32 rounding (cpu_linear's own tests cover that).
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
     model, r = _rollouts(seed=3)
     head = ValueHead(32, train_trunk=True)
     with torch.no_grad():

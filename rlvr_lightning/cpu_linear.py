@@ -1,0 +1,109 @@
+"""fp32 linear layers through oneDNN on the CPU.
+
+torch runs an fp32 matmul on the CPU with MKL's sgemm. On this project's machine (AMD EPYC,
+AVX-512) that reaches 195-230 GFLOP/s, where oneDNN's fp32 kernels, the ones torch's own
+compiler calls (``torch.ops.mkldnn._linear_pointwise``), reach 380-510 GFLOP/s on the same
+shapes: the forward product and both backward products (``benchmarks/README.md``). bf16 and
+fp16 matmuls go to oneDNN already. :func:`install` routes a model's plain ``nn.Linear`` layers
+through :func:`linear`, which uses oneDNN only for fp32 tensors on the CPU outside autocast
+and ``F.linear`` otherwise; the results are fp32 products summed in another order (they agree
+with ``F.linear`` to fp32 rounding, not bit for bit).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch build has oneDNN's linear kernel and it computes ``F.linear``."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=gen) for s in ((5, 7), (3, 7), (3,)))
+    try:
+        with torch.no_grad():
+            got = op(x, w, b, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes the oneDNN path for these operands."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+        and available()
+    )
+
+
+def mm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for 2-D fp32 CPU tensors (``a`` ``[m, k]``, ``b`` ``[n, k]``; strided
+    views such as ``x.t()`` are taken as they are), through oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` with every product through oneDNN; keeps ``x`` and ``weight``, as autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        flat = x.reshape(-1, x.shape[-1])  # [m, k]
+        ctx.save_for_backward(flat, weight)
+        ctx.has_bias, ctx.shape = bias is not None, x.shape
+        return mm_nt(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g = grad.reshape(-1, grad.shape[-1])  # [m, n]
+        grad_x = mm_nt(g, weight.t()).view(ctx.shape) if need_x else None  # g @ W
+        grad_w = mm_nt(g.t(), flat.t()) if need_w else None  # g^T @ x: [n, k]
+        grad_b = g.sum(0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(x, weight, bias)``; through oneDNN when :func:`usable`."""
+    if not usable(x, weight):
+        return F.linear(x, weight, bias)
+    if not torch.is_grad_enabled() or not (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        flat = x.reshape(-1, x.shape[-1])
+        return mm_nt(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return _Linear.apply(x, weight, bias)
+
+
+def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, module.weight, module.bias)
+
+
+def install(model: nn.Module) -> int:
+    """Route every plain ``nn.Linear`` of ``model`` (exact type, no forward of its own) through
+    :func:`linear`; returns how many. Nothing is switched when oneDNN is not available. The LM
+    head is left alone: ``chunked_head`` and the decoding loop compute it themselves (through
+    :func:`linear` / :func:`mm_nt`), and ``forward.fused_head`` bypasses only an untouched head.
+    """
+    if not available():
+        return 0
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    switched = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module is not head and "forward" not in vars(module):
+            module.forward = functools.partial(_forward, module)
+            switched += 1
+    return switched
