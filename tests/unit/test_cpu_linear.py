@@ -76,5 +76,21 @@ def test_install_switches_the_linears_but_not_the_lm_head(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-5)
     assert cpu_linear.install(model) == 0  # already switched
-    monkeypatch.setattr(cpu_linear, "available", lambda: False)
-    assert cpu_linear.install(tiny_policy(seed=0)[0]) == 0
+    x = torch.randn(2, linears[0].in_features)
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)  # a build without oneDNN
+    assert torch.equal(linears[0](x), F.linear(x, linears[0].weight, linears[0].bias))
+
+
+def test_disabled_blocks_use_f_linear_and_bf16_never_asks_for_onednn(monkeypatch):
+    x, w, b = _operands()
+    with cpu_linear.disabled():
+        assert not cpu_linear.usable(x, w)
+        assert torch.equal(cpu_linear.linear(x, w, b), F.linear(x, w, b))
+    assert cpu_linear.usable(x, w)
+    asked = []
+    monkeypatch.setattr(cpu_linear, "available", lambda: asked.append(1) or True)
+    model, _ = tiny_policy(seed=0)
+    cpu_linear.install(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.tensor([[5, 6, 7]]))
+    assert asked == []  # a first fp32 oneDNN call would change later bf16 matmuls
