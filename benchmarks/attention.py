@@ -1,5 +1,5 @@
 """Generation and update time with ``transformers``' SDPA attention vs ``rlvr_grouped``
-(``rlvr_lightning.attention``), same model, batch and precision.
+(``rlvr_lightning.device.attention``), same model, batch and precision.
 
     python benchmarks/attention.py --precision bf16 --reps 3
     python benchmarks/attention.py --precision fp32 --reps 3
@@ -34,10 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     args = p.parse_args(argv)
 
-    from rlvr_lightning import RLVRModule, attention
-    from rlvr_lightning.forward import group_microbatches
-    from rlvr_lightning.precision import weights_cast_once
-    from rlvr_lightning.shared_prompts import BUCKET_PASS_TOKENS
+    from rlvr_lightning import RLVRModule
+    from rlvr_lightning.device import attention
+    from rlvr_lightning.device.forward import group_microbatches
+    from rlvr_lightning.device.precision import weights_cast_once
+    from rlvr_lightning.device.shared_prompts import BUCKET_PASS_TOKENS
     from rlvr_lightning.types import Sampling
 
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group)

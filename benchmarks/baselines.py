@@ -73,7 +73,7 @@ def _probe_pass_rate_corr(module: Any, data: Any, args: argparse.Namespace) -> f
     with torch.no_grad():
         rollouts = module.rollout(batch, sampling)
         pass_rate = module.score(batch, rollouts).correct.float().view(len(batch), -1).mean(1)
-        micro, chunk = module.hparams.micro_batch_size, module.updater.head_chunk_tokens
+        micro, chunk = module.options.update.micro_batch_size, module.updater.head_chunk_tokens
         pred = head.score_rollouts(module.policy, rollouts, micro, chunk)  # [B * k]
         pred = pred.view(len(batch), -1).mean(1)  # [B]
     if float(pass_rate.std()) == 0:  # every prompt equally (un)solved: r is undefined
@@ -86,20 +86,24 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
 
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.rewards import answer_accuracy, boxed_accuracy, boxed_format
+    from rlvr_lightning.testing import grouped
     from rlvr_lightning.types import Sampling
 
     pl.seed_everything(args.seed, verbose=False)
     extra, group, prompts = _arm_module_args(arm, args)
+    budget = args.max_new_tokens
     module = RLVRModule(
         "embedded:smollm2-135m-instruct",
-        reward_fns=[boxed_accuracy, boxed_format, answer_accuracy],
-        reward_weights=[1.0, 0.25, 0.25],
-        accuracy_reward="boxed_accuracy",
-        sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=group),
-        val_sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0, group_size=1),
-        micro_batch_size=16,
-        lr=args.lr,
-        **extra,
+        **grouped(
+            reward_fns=[boxed_accuracy, boxed_format, answer_accuracy],
+            reward_weights=[1.0, 0.25, 0.25],
+            accuracy_reward="boxed_accuracy",
+            sampling=Sampling(max_new_tokens=budget, temperature=1.0, group_size=group),
+            val_sampling=Sampling(max_new_tokens=budget, temperature=0.0, group_size=1),
+            micro_batch_size=16,
+            lr=args.lr,
+            **extra,
+        ),
     )
     data = addition_data(args, prompts)
     trainer = bench_trainer(args.steps)

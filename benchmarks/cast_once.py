@@ -24,7 +24,7 @@ from generation import _prompts
 
 def _update_pass(module, rollouts, micros) -> float:
     """Seconds of one forward + backward of the mean token log-prob over ``micros``."""
-    from rlvr_lightning.forward import completion_forward
+    from rlvr_lightning.device.forward import completion_forward
 
     start = time.perf_counter()
     for idx in micros:
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from rlvr_lightning import RLVRModule
-    from rlvr_lightning.forward import group_microbatches
-    from rlvr_lightning.precision import weights_cast_once
+    from rlvr_lightning.device.forward import group_microbatches
+    from rlvr_lightning.device.precision import weights_cast_once
     from rlvr_lightning.types import Sampling
 
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group)

@@ -7,7 +7,7 @@ Products: a projection's forward ``x @ W^T``, its input gradient ``g @ W`` and w
 ``g^T @ x`` (the backward's two products, oneDNN taking the transposed views as they are), for
 the attention (576 -> 576, 576 -> 192), MLP (576 <-> 1536) and the LM head in 4096-row blocks
 (576 -> 4096); and one decoding step's LM head (``--decode-rows`` x 576 -> 49152, MKL as
-``rollout.hf.head_by_blocks`` computes it without oneDNN). Each line alternates the sides
+``rollout.decode_head.head_by_blocks`` computes it without oneDNN). Each line alternates the sides
 ``--reps`` times after a warm-up and prints GFLOP/s (medians), the speed-up and the largest
 difference between the two results relative to the largest value (fp32 rounding: ~1e-6).
 """
@@ -20,8 +20,7 @@ import time
 
 import torch
 
-from rlvr_lightning import cpu_linear
-from rlvr_lightning.rollout import hf
+from rlvr_lightning.device import cpu_linear, decode_head
 
 SHAPES = {"q/o 576x576": (576, 576), "k/v 576x192": (576, 192), "gate/up 576x1536": (576, 1536)}
 SHAPES |= {"down 1536x576": (1536, 576), "head block 576x4096": (576, 4096)}
@@ -77,8 +76,8 @@ def main() -> None:
     available = cpu_linear.available
     try:
         cpu_linear.available = lambda: False  # head_by_blocks' MKL blocks
-        mkl_head = hf.head_by_blocks(w, None, h)
-        blocks = _seconds(lambda: hf.head_by_blocks(w, None, h), args.reps)
+        mkl_head = decode_head.head_by_blocks(w, None, h)
+        blocks = _seconds(lambda: decode_head.head_by_blocks(w, None, h), args.reps)
     finally:
         cpu_linear.available = available
     dnn = _seconds(lambda: cpu_linear.mm_nt(h, w), args.reps)

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from rlvr_lightning.testing import grouped
+
 RESULT_TAG = "RESULT "
 WARMUP_LR = 2e-5  # the quickstart's: the format is learnt in ~10 steps
 STRATEGIES = ("uniform", "replay", "curriculum")
@@ -73,9 +75,9 @@ def worker(args: argparse.Namespace) -> dict:
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.data import RLVRDataModule
     from rlvr_lightning.data.stats import group_outcome
-    from rlvr_lightning.hooks import RLVRCallback
     from rlvr_lightning.models import EMBEDDED_DEFAULT
     from rlvr_lightning.rewards import answer_accuracy, boxed_format
+    from rlvr_lightning.stages.hooks import RLVRCallback
     from rlvr_lightning.testing import quiet_trainer
     from rlvr_lightning.types import Sampling
 
@@ -104,13 +106,15 @@ def worker(args: argparse.Namespace) -> dict:
     if args.export:  # the warm-up run: keep its policy for the strategy runs
         callbacks.append(ExportModel(dirpath=args.export, card=False))
     model = RLVRModule(
-        policy=args.policy or EMBEDDED_DEFAULT,
-        reward_fns=[answer_accuracy, boxed_format],
-        reward_weights=[1.0, 0.25],
-        sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=8),
-        val_sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0),
-        micro_batch_size=16,
-        lr=args.lr,
+        **grouped(
+            policy=args.policy or EMBEDDED_DEFAULT,
+            reward_fns=[answer_accuracy, boxed_format],
+            reward_weights=[1.0, 0.25],
+            sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=8),
+            val_sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0),
+            micro_batch_size=16,
+            lr=args.lr,
+        )
     )
     data = RLVRDataModule(
         **_source(args),

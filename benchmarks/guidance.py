@@ -25,11 +25,13 @@ import argparse
 import time
 from typing import Any
 
+from rlvr_lightning.testing import grouped
+
 INSTRUCTION = "Put the final answer in \\boxed{}, for example \\boxed{5}."
 
 
 def _recorder() -> Any:
-    from rlvr_lightning.hooks import RLVRCallback
+    from rlvr_lightning.stages.hooks import RLVRCallback
 
     class Recorder(RLVRCallback):
         """Keeps every step's metrics."""
@@ -119,16 +121,20 @@ def run_arm(arm: str, args: argparse.Namespace, before: float | None) -> dict[st
     recorder = _recorder()
     module = RLVRModule(
         "embedded:smollm2-135m-instruct",
-        reward_fns=[boxed_accuracy, boxed_format, answer_accuracy],
-        reward_weights=[1.0, 0.25, 0.25],
-        accuracy_reward="boxed_accuracy",
-        offpolicy_weighting=weighting,
-        sampling=Sampling(
-            max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group
+        **grouped(
+            reward_fns=[boxed_accuracy, boxed_format, answer_accuracy],
+            reward_weights=[1.0, 0.25, 0.25],
+            accuracy_reward="boxed_accuracy",
+            offpolicy_weighting=weighting,
+            sampling=Sampling(
+                max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group
+            ),
+            val_sampling=Sampling(
+                max_new_tokens=args.max_new_tokens, temperature=0.0, group_size=1
+            ),
+            micro_batch_size=16,
+            lr=args.lr,
         ),
-        val_sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0, group_size=1),
-        micro_batch_size=16,
-        lr=args.lr,
     )
     data = addition_data(args, args.prompts)
     trainer = bench_trainer(args.steps, callbacks=[*callbacks, recorder])

@@ -80,7 +80,7 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
 
     from rlvr_lightning import models
-    from rlvr_lightning.forward import completion_logprobs
+    from rlvr_lightning.device.forward import completion_logprobs
 
     cap = int(args.max_gib * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

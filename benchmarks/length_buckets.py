@@ -27,7 +27,7 @@ from generation import _prompts
 def _update_pass(policy, rollouts, micros, pass_tokens) -> tuple[float, torch.Tensor]:
     """Seconds of one forward + backward of the mean token log-prob over ``micros``, and the
     log-probs ``[N, T]``."""
-    from rlvr_lightning.forward import completion_forward
+    from rlvr_lightning.device.forward import completion_forward
 
     logps = torch.zeros(rollouts.completion_mask.shape)
     start = time.perf_counter()
@@ -51,7 +51,7 @@ def _update_pass(policy, rollouts, micros, pass_tokens) -> tuple[float, torch.Te
 def _tokens_run(lengths: torch.Tensor, micros, pass_tokens) -> int:
     """Completion tokens fed (rows x the longest row of their pass), as ``completion_forward``
     runs them."""
-    from rlvr_lightning.shared_prompts import length_buckets
+    from rlvr_lightning.device.shared_prompts import length_buckets
 
     total = 0
     for idx in micros:
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from rlvr_lightning import RLVRModule
-    from rlvr_lightning.forward import group_microbatches
-    from rlvr_lightning.precision import weights_cast_once
-    from rlvr_lightning.shared_prompts import BUCKET_PASS_TOKENS
+    from rlvr_lightning.device.forward import group_microbatches
+    from rlvr_lightning.device.precision import weights_cast_once
+    from rlvr_lightning.device.shared_prompts import BUCKET_PASS_TOKENS
     from rlvr_lightning.types import Sampling
 
     pass_tokens = BUCKET_PASS_TOKENS if args.pass_tokens is None else args.pass_tokens

@@ -69,6 +69,8 @@ from typing import Any
 from data_strategies import WARMUP_LR, _mean_sd
 from guidance import INSTRUCTION
 
+from rlvr_lightning.testing import grouped
+
 ARMS = ("fixed", "erpo", "ead", "erpo+ead")
 # Columns averaged over seeds: (key, header, format).
 COLUMNS = (
@@ -91,7 +93,7 @@ COLUMNS = (
 def _recorder() -> Any:
     import torch
 
-    from rlvr_lightning.hooks import RLVRCallback
+    from rlvr_lightning.stages.hooks import RLVRCallback
 
     class Recorder(RLVRCallback):
         """Keeps each step's metrics, the sampled outcome per group and the temperature of
@@ -151,17 +153,19 @@ def _build(policy: str, args: argparse.Namespace, lr: float) -> tuple[Any, Any]:
 
     module = RLVRModule(
         policy,
-        reward_fns=[boxed_accuracy, boxed_format, answer_accuracy],
-        reward_weights=[1.0, 0.25, 0.25],
-        accuracy_reward="boxed_accuracy",
-        sampling=Sampling(
-            max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group
+        **grouped(
+            reward_fns=[boxed_accuracy, boxed_format, answer_accuracy],
+            reward_weights=[1.0, 0.25, 0.25],
+            accuracy_reward="boxed_accuracy",
+            sampling=Sampling(
+                max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group
+            ),
+            val_sampling=Sampling(
+                max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.k
+            ),
+            micro_batch_size=16,
+            lr=lr,
         ),
-        val_sampling=Sampling(
-            max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.k
-        ),
-        micro_batch_size=16,
-        lr=lr,
     )
     data = RLVRDataModule(
         source=args.task,

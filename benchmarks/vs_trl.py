@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any
 
+from rlvr_lightning.testing import grouped
+
 INSTRUCTION = "Put the final answer in \\boxed{}."
 RESULT_TAG = "RESULT "
 
@@ -163,17 +165,19 @@ def run_rlvr(args: argparse.Namespace, engine: str) -> None:
     }
     module = RLVRModule(
         "embedded:smollm2-135m-instruct",
-        algorithm="grpo",
-        reward_fns=[boxed_accuracy, boxed_format],
-        sampling=Sampling(
-            max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group
+        **grouped(
+            algorithm="grpo",
+            reward_fns=[boxed_accuracy, boxed_format],
+            sampling=Sampling(
+                max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.group
+            ),
+            micro_batch_size=args.micro,
+            lr=args.lr,
+            grad_clip=1.0,
+            kl_coef=0.0,
+            engine=engine,
+            engine_kwargs=engine_kwargs if engine == "vllm" else None,
         ),
-        micro_batch_size=args.micro,
-        lr=args.lr,
-        grad_clip=1.0,
-        kl_coef=0.0,
-        engine=engine,
-        engine_kwargs=engine_kwargs if engine == "vllm" else None,
     )
     data = RLVRDataModule(
         "addition",

@@ -24,8 +24,8 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.module import RLVRModule
+from rlvr_lightning.stages.hooks import RLVRCallback
 from rlvr_lightning.types import PromptBatch, StepOutput
 
 

@@ -31,9 +31,9 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.rollout.factory import require_position_temperatures
+from rlvr_lightning.stages.hooks import RLVRCallback
 from rlvr_lightning.types import PromptBatch, StepOutput
 
 
@@ -112,11 +112,12 @@ class AnnealedTemperature(RLVRCallback):
                 "AnnealedTemperature needs model.sampling.temperature > 0 (greedy sampling has "
                 "no temperature to anneal)."
             )
-        if h.old_logprobs == "engine":
+        if pl_module.options.correction.old_logprobs == "engine":
             raise ValueError(
                 "AnnealedTemperature samples tokens at temperatures the trainer does not score, "
-                "so the recorded log-probs cannot serve as π_old: set model.old_logprobs: auto "
-                "(or trainer) to recompute π_old and weight tokens by TIS."
+                "so the recorded log-probs cannot serve as π_old: set "
+                "model.correction.old_logprobs: auto (or trainer) to recompute π_old and weight "
+                "tokens by TIS."
             )
         require_position_temperatures(h.engine, h.policy)
 

@@ -27,7 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from rlvr_lightning.hooks import RLVRCallback
+from rlvr_lightning.stages.hooks import RLVRCallback
 from rlvr_lightning.types import SOURCE_POLICY, StepOutput
 
 TABLE_KEY = "train/completions"

@@ -11,8 +11,8 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.hub import export_pretrained, model_card, module_heads
+from rlvr_lightning.stages.hooks import RLVRCallback
 from rlvr_lightning.types import StepOutput
 
 log = logging.getLogger(__name__)

@@ -30,11 +30,13 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from rlvr_lightning import advantages as adv_lib
+from rlvr_lightning.algorithms import advantages as adv_lib
+from rlvr_lightning.algorithms.outcomes import pass_rates, sampled_rows
 from rlvr_lightning.data.stream import rng_state, set_rng_state
-from rlvr_lightning.hooks import RLVRCallback
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.offpolicy import (
+from rlvr_lightning.rewards.math import extract_boxed
+from rlvr_lightning.stages.hooks import RLVRCallback
+from rlvr_lightning.stages.offpolicy import (
     Composition,
     Member,
     guidance_slots,
@@ -42,8 +44,6 @@ from rlvr_lightning.offpolicy import (
     on_policy_rows,
     scored_batch,
 )
-from rlvr_lightning.outcomes import pass_rates, sampled_rows
-from rlvr_lightning.rewards.math import extract_boxed
 from rlvr_lightning.types import PromptBatch, Scored
 
 SOURCE = "reference"

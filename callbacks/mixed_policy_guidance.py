@@ -10,7 +10,8 @@ when it is injected:
   comprehension`` (the teacher reasoning under which the policy most expects the ground-truth
   answer), ``reward: 1.0``.
 - ExGRPO (arXiv 2510.02245): ``source: experience`` (the run's own correct trajectories with
-  their behaviour log-probs, :class:`~rlvr_lightning.experience.ExperiencePool`), ``injection:
+  their behaviour log-probs, :class:`~rlvr_lightning.guidance.experience
+  .ExperiencePool`), ``injection:
   delayed`` (off until the batch solve rate exceeds ``start_solve_rate``), a share
   ``experience_ratio`` of each batch's prompts replaced by pooled questions drawn by bucket,
   the lowest-entropy stored trajectory of each, module ``offpolicy_weighting: shaping``.
@@ -33,12 +34,16 @@ import torch
 from rlvr_lightning.callbacks.ground_truth_injection import check_columns, reference_text
 from typing_extensions import override
 
+from rlvr_lightning.algorithms.ops import masked_mean
+from rlvr_lightning.algorithms.outcomes import sampled_rows
 from rlvr_lightning.data.stream import rng_state, set_rng_state
-from rlvr_lightning.experience import ExperiencePool, Trajectory
-from rlvr_lightning.forward import completion_logprobs
-from rlvr_lightning.hooks import RLVRCallback
+from rlvr_lightning.device import completion_logprobs
+from rlvr_lightning.guidance.experience import ExperiencePool, Trajectory
+from rlvr_lightning.guidance.teacher import TeacherModel
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.offpolicy import (
+from rlvr_lightning.rewards.math import extract_boxed
+from rlvr_lightning.stages.hooks import RLVRCallback
+from rlvr_lightning.stages.offpolicy import (
     Composition,
     Member,
     encode,
@@ -48,10 +53,6 @@ from rlvr_lightning.offpolicy import (
     prompt_rows,
     scored_batch,
 )
-from rlvr_lightning.ops import masked_mean
-from rlvr_lightning.outcomes import sampled_rows
-from rlvr_lightning.rewards.math import extract_boxed
-from rlvr_lightning.teacher import TeacherModel
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
 
 Source = Literal["reference", "teacher", "experience"]

@@ -11,13 +11,13 @@ trajectory sampled from that guide, in the slot of one of its incorrect samples
   earlier run of the same model, or an exported model folder; interventions start at the
   rollout steps ``intervene_at`` and last ``duration`` steps.
 - ``mode: lookahead``: at each step of ``intervene_at`` the whole training state is saved, the
-  run trains ``lookahead`` steps ahead (``rlvr_lightning.lookahead``), keeps those weights as
-  the guide and restores the saved state exactly, then goes on with the guide.
+  run trains ``lookahead`` steps ahead (``guidance.lookahead``), keeps those weights as the
+  guide and restores the saved state exactly, then goes on with the guide.
 - ``mode: auto`` (AutoNPO): interventions start when the sampled reward plateaus over
   ``window`` steps or the entropy collapses, at least ``min_gap`` steps apart. The run looks
   ahead ``max(candidates)`` steps, keeping the weights at every candidate ``Δ``; each candidate
   samples the newest prompts of a mistake pool (prompts the policy failed); ``Δ`` with the best
-  ``S = Q / V`` is the guide (``rlvr_lightning.npo``: ``Q`` the share of pool prompts it
+  ``S = Q / V`` is the guide (``rlvr_lightning.algorithms.npo``: ``Q`` the share of pool prompts it
   solves, ``V`` the variance of the token log-ratio of policy and guide on its trajectories:
   this project's estimators, the paper's are not public).
 
@@ -45,12 +45,18 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from rlvr_lightning import correction, lookahead, models, npo, ranks
+from rlvr_lightning import models
+from rlvr_lightning.algorithms import npo
+from rlvr_lightning.algorithms.outcomes import sampled_rows
 from rlvr_lightning.data.stream import rng_state, set_rng_state
-from rlvr_lightning.guide import load_guide
-from rlvr_lightning.hooks import RLVRCallback
+from rlvr_lightning.device import trainer_forward
+from rlvr_lightning.guidance import lookahead
+from rlvr_lightning.guidance.guide import load_guide
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.offpolicy import (
+from rlvr_lightning.rollout.hf import HFEngine
+from rlvr_lightning.runtime import ranks
+from rlvr_lightning.stages.hooks import RLVRCallback
+from rlvr_lightning.stages.offpolicy import (
     Composition,
     Member,
     guidance_slots,
@@ -59,8 +65,6 @@ from rlvr_lightning.offpolicy import (
     prompt_rows,
     scored_batch,
 )
-from rlvr_lightning.outcomes import sampled_rows
-from rlvr_lightning.rollout.hf import HFEngine
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored, StepOutput
 
 SOURCE = "npo"
@@ -377,10 +381,10 @@ class NearFuturePolicyGuidance(RLVRCallback):
     def _policy_logp(module: RLVRModule, rollouts: Rollouts) -> torch.Tensor:
         """``[n, T]`` the current policy's log-probs of ``rollouts``' tokens, at the rows'
         temperatures, as the update computes them (0 on padding)."""
-        return correction.trainer_forward(
+        return trainer_forward(
             module.policy,
             rollouts,
-            module.hparams.micro_batch_size,
+            module.options.update.micro_batch_size,
             head_chunk_tokens=module.updater.head_chunk_tokens,
         )[0]
 

@@ -16,7 +16,7 @@ class PredictionWriter(pl.Callback):
 
     Each line holds the prompt, its answer, the completions with their total and per-function
     rewards and correctness, and the prompt's ``pass@1`` / ``pass@G``
-    (``rlvr_lightning.predictions.prediction_records``). At the end the mean pass@k over the
+    (``rlvr_lightning.stages.predictions.prediction_records``). At the end the mean pass@k over the
     prompts and the file's path are printed. The file is replaced at the start of each
     ``predict``; under several processes each rank writes ``<stem>.rank<N>.jsonl``.
 

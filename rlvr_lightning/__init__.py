@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlvr_lightning.data import RLVRDataModule
-    from rlvr_lightning.hooks import RLVRCallback
     from rlvr_lightning.module import RLVRModule
+    from rlvr_lightning.stages.hooks import RLVRCallback
     from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
 
 _HOMES = {
     "PromptBatch": "rlvr_lightning.types",
-    "RLVRCallback": "rlvr_lightning.hooks",
+    "RLVRCallback": "rlvr_lightning.stages.hooks",
     "RLVRDataModule": "rlvr_lightning.data",
     "RLVRModule": "rlvr_lightning.module",
     "Rollouts": "rlvr_lightning.types",

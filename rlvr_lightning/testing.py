@@ -1,66 +1,16 @@
-"""In-process tiny models and a byte-level tokenizer for tests and smoke runs.
+"""Builders for tests and smoke runs: a toy reward, the tiny module and trainer, a PPO update.
 
-Nothing here touches the network: the tokenizer is built from the 256 byte values plus a few
-special tokens, and the model is a randomly initialised Llama of a few thousand parameters.
+The top layer: runtime code never imports it. The tiny model itself is ``models.tiny``
+(re-exported here for tests).
 """
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from rlvr_lightning.models.tiny import CHAT_TEMPLATE, byte_tokenizer, tiny_policy
 
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (vocab 259) with a ChatML template; EOS is ``<|im_end|>``."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<|pad|>",
-        eos_token="<|im_end|>",
-        bos_token="<|im_start|>",
-        additional_special_tokens=SPECIAL_TOKENS,
-    )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
-
-
-def tiny_policy(
-    seed: int = 0, hidden: int = 32, layers: int = 2
-) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """A random tiny Llama and the byte tokenizer; same seed, same weights."""
-    tokenizer = byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    gen = torch.random.fork_rng()
-    with gen:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
-
+__all__ = ["CHAT_TEMPLATE", "byte_tokenizer", "tiny_policy"]
 
 def digit_fraction(completions: list[str], **_: object) -> list[float]:
     """A dense toy reward: the fraction of characters that are digits.
@@ -73,18 +23,44 @@ def digit_fraction(completions: list[str], **_: object) -> list[float]:
 
 def tiny_module(**overrides: object):
     """An ``RLVRModule`` on ``tiny:0`` with the ``digit_fraction`` reward, 8 new tokens at
-    temperature 1 in groups of 4, micro-batches of 8 and lr 1e-3; ``overrides`` replace any
-    argument."""
+    temperature 1 in groups of 4, micro-batches of 8 and lr 1e-3. ``overrides`` are module
+    arguments; an option group's fields may also be given by their field name alone
+    (``lr=1e-2`` for ``update.lr``, see :func:`grouped`)."""
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.types import Sampling
 
     kwargs: dict[str, object] = {
-        "reward_fns": [digit_fraction],
+        "functions": [digit_fraction],
         "sampling": Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
         "micro_batch_size": 8,
         "lr": 1e-3,
     }
-    return RLVRModule("tiny:0", **{**kwargs, **overrides})
+    return RLVRModule("tiny:0", **grouped(**{**kwargs, **overrides}))
+
+
+def grouped(**kwargs: object) -> dict[str, object]:
+    """Module arguments with option fields given by name (``lr``, ``kl_coef``, the pre-group
+    names such as ``reward_fns``, or a group's own field name such as ``functions``) gathered
+    into their groups (``update=Update(lr=...)``); a group given whole is updated by them."""
+    import dataclasses
+
+    from rlvr_lightning.options import GROUPS, MOVED
+
+    fields = {f.name: f"{g}.{f.name}" for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in fields.items() if k not in ("fn", "mode", "cap", "level", "rank")}
+    out: dict[str, object] = {}
+    parts: dict[str, dict[str, object]] = {}
+    for key, value in kwargs.items():
+        place = MOVED.get(key) or fields.get(key)
+        if key in GROUPS or place is None:
+            out[key] = value
+            continue
+        group, field = place.split(".")
+        parts.setdefault(group, {})[field] = value
+    for group, values in parts.items():
+        base = out.get(group) or GROUPS[group]()
+        out[group] = dataclasses.replace(base, **values)
+    return out
 
 
 def quiet_trainer(**overrides: object) -> pl.Trainer:
@@ -117,8 +93,8 @@ def checkpointing_args(root: object) -> list[str]:
 def ppo_update(**overrides):
     """A ``PolicyUpdate`` with PPO clip loss, clip 0.2, seq-mean-token-mean over 8 tokens, no KL
     and no entropy bonus, micro-batches of 4; ``overrides`` replace any field."""
-    from rlvr_lightning.losses import ppo_clip_loss
-    from rlvr_lightning.update import PolicyUpdate
+    from rlvr_lightning.algorithms.losses import ppo_clip_loss
+    from rlvr_lightning.stages.update import PolicyUpdate
 
     fields = dict(
         loss_fn=ppo_clip_loss,

@@ -32,7 +32,7 @@ def test_package_list_covers_every_package_folder():
 
 
 def test_import_does_not_pull_vllm():
-    code = "import sys, rlvr_lightning, rlvr_lightning.cli; print('vllm' in sys.modules)"
+    code = "import sys, rlvr_lightning, rlvr_lightning.cli.main; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -45,7 +45,7 @@ def test_callbacks_refuse_a_second_identity():
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_every_config_parses(config, capsys):
-    from rlvr_lightning.cli import build_cli
+    from rlvr_lightning.cli.main import build_cli
 
     with pytest.raises(SystemExit) as exit_info:
         build_cli(["fit", "--config", str(ROOT / "configs" / config), "--print_config"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlvr_lightning.advantages import poise_advantages, sibling_mean
+from rlvr_lightning.algorithms.advantages import poise_advantages, sibling_mean
 
 __all__ = [
     "RidgeProbe",

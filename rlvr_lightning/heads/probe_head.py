@@ -3,7 +3,7 @@
 Each rollout's features ``z_i`` are the mean hidden state at ``layer`` over the last
 ``last_tokens`` prompt tokens and over the states predicting the last ``last_tokens``
 response tokens, plus the response's mean token entropy, all from the no-grad trainer pass
-that also gives ``π_old`` (``correction.trainer_forward``; one pass of its own otherwise).
+that also gives ``π_old`` (``device.trainer_forward``; one pass of its own otherwise).
 A ridge regression on their PCA (``heads.probe.RidgeProbe``) predicts the *siblings'* mean
 reward; the baseline of row ``i`` is the mean of its siblings' predictions, so it never sees
 row ``i``'s state and the advantage ``r_i - b_i`` stays unbiased.
@@ -24,9 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from rlvr_lightning.advantages import sibling_mean
-from rlvr_lightning.chunked_head import DEFAULT_CHUNK_TOKENS
-from rlvr_lightning.correction import trainer_forward
+from rlvr_lightning.algorithms.advantages import sibling_mean
+from rlvr_lightning.device import DEFAULT_CHUNK_TOKENS, trainer_forward
 from rlvr_lightning.heads.probe import RidgeProbe, fit_quality, rows_to_drop
 from rlvr_lightning.types import Rollouts, Scored
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlvr_lightning.advantages import gae
+from rlvr_lightning.algorithms.advantages import gae
 from rlvr_lightning.types import Rollouts, Scored
 
 

@@ -21,10 +21,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from rlvr_lightning.algorithms.presets import get_preset
 from rlvr_lightning.hub import card_safety
 from rlvr_lightning.hub.card_safety import clean_value, public_base_model, scrub
 from rlvr_lightning.hub.transfer import is_hub_name
-from rlvr_lightning.presets import get_preset
 
 LOCAL_PATH, REDACTED = card_safety.LOCAL_PATH, card_safety.REDACTED  # what cards show instead
 _TEMPLATE_SUFFIXES = (".md.jinja", ".md.j2", ".jinja", ".j2")
@@ -229,11 +229,12 @@ def _hardware(trainer: pl.Trainer) -> str:
 
 def _recipe(hparams: Mapping[str, Any]) -> dict[str, Any]:
     preset = get_preset(hparams["algorithm"])
+    given = {**(hparams.get("loss") or {}), "estimator": hparams.get("estimator")}
     pick = {
-        k: (hparams.get(k) if hparams.get(k) is not None else getattr(preset, k))
+        k: (given.get(k) if given.get(k) is not None else getattr(preset, k))
         for k in ("clip_low", "clip_high", "agg_mode", "estimator")
     }
-    loss = hparams.get("loss_fn") or f"{preset.loss_fn.__module__}.{preset.loss_fn.__name__}"
+    loss = given.get("fn") or f"{preset.loss_fn.__module__}.{preset.loss_fn.__name__}"
     return {"algorithm": hparams["algorithm"], "loss_fn": loss, **pick}
 
 
@@ -341,7 +342,7 @@ def card_context(
         "citations": citations(
             recipe["algorithm"],
             str(recipe["estimator"]),
-            int(hparams.get("lora_rank", 0) or 0) > 0,
+            int((hparams.get("lora") or {}).get("rank", 0) or 0) > 0,
             facts.extra_citations,
         ),
     }

@@ -11,6 +11,13 @@ from torch import nn
 
 from rlvr_lightning.types import Rollouts, Sampling
 
+POSITION_TEMPERATURE_REFUSAL = (
+    "A temperature that changes along the completion (AnnealedTemperature, EAD) is applied by "
+    "the HF engine's own sampler; the vLLM engine applies one temperature per request and "
+    "records its log-probs after its own sampler, so it cannot. Set `model.engine: hf`."
+)
+
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):

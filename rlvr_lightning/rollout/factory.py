@@ -10,7 +10,7 @@ from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from rlvr_lightning import hub, models
-from rlvr_lightning.rollout.base import RolloutEngine
+from rlvr_lightning.rollout.base import POSITION_TEMPERATURE_REFUSAL, RolloutEngine
 from rlvr_lightning.rollout.hf import HFEngine
 
 EngineName = Literal["hf", "vllm", "auto"]
@@ -36,11 +36,6 @@ def resolve_engine(engine: EngineName, policy: str) -> Literal["hf", "vllm"]:
     return engine
 
 
-POSITION_TEMPERATURE_REFUSAL = (
-    "A temperature that changes along the completion (AnnealedTemperature, EAD) is applied by "
-    "the HF engine's own sampler; the vLLM engine applies one temperature per request and "
-    "records its log-probs after its own sampler, so it cannot. Set `model.engine: hf`."
-)
 
 
 def require_position_temperatures(engine: EngineName, policy: str) -> None:

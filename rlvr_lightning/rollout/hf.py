@@ -11,9 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from rlvr_lightning import cpu_linear
-from rlvr_lightning.forward import fused_head
-from rlvr_lightning.shared_prompts import cache_kwarg, prompt_pass
+from rlvr_lightning.device import cache_kwarg, fp32_head_by_blocks, prompt_pass
 from rlvr_lightning.types import Rollouts, Sampling
 
 
@@ -103,55 +101,6 @@ def shared_prompt_cache(model: PreTrainedModel, ids: torch.Tensor, mask: torch.T
     if g > 1:
         cache.batch_repeat_interleave(g)  # [B] -> [B * G] rows, group rows consecutive
     return cache
-
-
-# Vocabulary rows of the LM head per matmul while decoding in fp32 (this project's choice).
-HEAD_BLOCK = 4096
-
-
-def head_by_blocks(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor):
-    """``F.linear(hidden, weight, bias)`` as ``weight @ hidden^T``, ``HEAD_BLOCK`` vocabulary
-    rows at a time: at decoding's 16-64 rows the fp32 ``[n, H] x [H, V]`` product runs far
-    below the cores' peak (measured 16-30 ms at 16-64 rows against 11-26 ms this way, the
-    embedded model's 49152 x 576 head).
-
-    Where oneDNN's fp32 kernel is there (``cpu_linear``) it computes the whole product instead:
-    10.6 ms against 24.3 in blocks at 64 rows, 5.2 against 9.8 at 16.
-
-    Args:
-        weight: ``[V, H]``; bias: ``[V]`` or None; hidden: ``[..., H]``.
-    """
-    flat = hidden.reshape(-1, hidden.shape[-1])  # [n, H]
-    if cpu_linear.usable(flat, weight):
-        return cpu_linear.mm_nt(flat, weight, bias).view(*hidden.shape[:-1], -1)
-    out = flat.new_empty(weight.shape[0], flat.shape[0])  # [V, n]
-    for start in range(0, weight.shape[0], HEAD_BLOCK):
-        rows = slice(start, start + HEAD_BLOCK)
-        torch.mm(weight[rows], flat.t(), out=out[rows])
-    logits = out.t() if bias is None else out.t() + bias  # [n, V]
-    return logits.contiguous().view(*hidden.shape[:-1], -1)
-
-
-@contextmanager
-def fp32_head_by_blocks(model: nn.Module) -> Iterator[None]:
-    """Within: the model's LM head computes with ``head_by_blocks`` when it is a plain
-    ``nn.Linear`` (``forward.fused_head``) in fp32 on the CPU without autocast; otherwise
-    (bf16 matmuls, GPUs, LoRA heads) nothing changes. For no-grad decoding only."""
-    head = fused_head(model)
-    device = None if head is None else head.weight.device.type
-    if (
-        head is None
-        or device != "cpu"
-        or head.weight.dtype != torch.float32
-        or torch.is_autocast_enabled(device)
-    ):
-        yield
-        return
-    head.forward = lambda hidden: head_by_blocks(head.weight, head.bias, hidden)
-    try:
-        yield
-    finally:
-        del head.forward
 
 
 # Finished rows leave the decoding batch once they are this share of the rows still decoding
@@ -291,16 +240,9 @@ class HFEngine:
         ids = prompt_ids.repeat_interleave(g, dim=0)  # [N, P]
         mask = prompt_mask.repeat_interleave(g, dim=0)  # [N, P]
         greedy = sampling.temperature <= 0 and temperatures is None
-        if temperatures is None:
-            temperatures = torch.full((ids.shape[0],), 1.0 if greedy else sampling.temperature)
-        temperatures = temperatures.to(ids.device, torch.float32)  # [N]
-        if not greedy and bool((temperatures <= 0).any()):
-            raise ValueError("Per-row temperatures must be > 0; use temperature=0 for greedy.")
-        per_token = None
-        if position_temperatures is not None and not greedy:
-            per_token = row_position_temperatures(
-                temperatures, position_temperatures, sampling.max_new_tokens
-            )  # [N, T_max]
+        temperatures, per_token = row_temperatures(
+            sampling, temperatures, position_temperatures, ids.shape[0], greedy, ids.device
+        )  # [N], [N, T_max] or None
         top_k = 0 if greedy else sampling.top_k
         top_p = 1.0 if greedy else sampling.top_p
 
@@ -308,9 +250,7 @@ class HFEngine:
             temp = temperatures[rows] if per_token is None else per_token[rows, t]  # [n]
             return draw_rows(logits, temp, top_k, top_p, greedy)
 
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with _eval_mode(self.model):
             cache = None
             if ids.shape[1] > 1 and self.share_prompts:
                 cache = shared_prompt_cache(self.model, prompt_ids, prompt_mask, g)
@@ -327,8 +267,10 @@ class HFEngine:
                     self.eos_ids,
                     self.tokenizer.pad_token_id,
                 )  # [N, T] each
-        finally:
-            self.model.train(was_training)
+        return self._rollouts(ids, mask, completion_ids, logp, temperatures, per_token, g)
+
+    def _rollouts(self, ids, mask, completion_ids, logp, temperatures, per_token, g) -> Rollouts:
+        """The decoded rows as ``Rollouts``: completion mask up to EOS, texts, truncation."""
         cmask = completion_mask(completion_ids, self.eos_ids)  # [N, T]
         ends_with_eos = torch.isin(completion_ids, torch.tensor(self.eos_ids, device=ids.device))
         texts = self.tokenizer.batch_decode(
@@ -349,3 +291,36 @@ class HFEngine:
             if per_token is None
             else per_token[:, : completion_ids.shape[1]],
         )
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def row_temperatures(
+    sampling: Sampling,
+    temperatures: torch.Tensor | None,
+    position_temperatures: torch.Tensor | None,
+    rows: int,
+    greedy: bool,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[N]`` fp32 temperature of each row (1 when greedy) and, with a per-position schedule
+    (not greedy), the ``[N, T_max]`` temperature of each row and position."""
+    if temperatures is None:
+        temperatures = torch.full((rows,), 1.0 if greedy else sampling.temperature)
+    temperatures = temperatures.to(device, torch.float32)  # [N]
+    if not greedy and bool((temperatures <= 0).any()):
+        raise ValueError("Per-row temperatures must be > 0; use temperature=0 for greedy.")
+    if position_temperatures is None or greedy:
+        return temperatures, None
+    per_token = row_position_temperatures(
+        temperatures, position_temperatures, sampling.max_new_tokens
+    )  # [N, T_max]
+    return temperatures, per_token

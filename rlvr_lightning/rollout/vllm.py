@@ -33,7 +33,7 @@ import vllm
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from vllm.platforms import current_platform
 
-from rlvr_lightning.rollout.factory import POSITION_TEMPERATURE_REFUSAL
+from rlvr_lightning.rollout.base import POSITION_TEMPERATURE_REFUSAL
 from rlvr_lightning.rollout.hf import completion_mask
 from rlvr_lightning.types import Rollouts, Sampling
 

@@ -9,7 +9,7 @@ from rlvr_lightning.callbacks.adaptive_temperature import next_temperature
 
 from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.testing import digit_fraction, quiet_trainer
+from rlvr_lightning.testing import digit_fraction, grouped, quiet_trainer
 from rlvr_lightning.types import Sampling
 
 
@@ -30,9 +30,11 @@ def _fit(rewards, steps=3, callback=None):
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=rewards,
-        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
-        micro_batch_size=8,
+        **grouped(
+            reward_fns=rewards,
+            sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+            micro_batch_size=8,
+        ),
     )
     seen = []
     generate = module.engine.generate
@@ -72,7 +74,7 @@ def test_prompts_that_are_not_mastered_stay_at_the_base_temperature():
 
 
 def test_greedy_sampling_is_refused():
-    module = RLVRModule("tiny:0", reward_fns=[digit_fraction])
+    module = RLVRModule("tiny:0", **grouped(reward_fns=[digit_fraction]))
     module.sampling = Sampling(max_new_tokens=4, temperature=0.0, group_size=2)
     with pytest.raises(ValueError, match="temperature > 0"):
         AdaptiveTemperature().setup(None, module, "fit")

@@ -10,6 +10,7 @@ import torch
 from rlvr_lightning.callbacks import AnnealedTemperature
 from rlvr_lightning.callbacks.annealed_temperature import annealed_temperature
 
+from rlvr_lightning.options import Correction, Options
 from rlvr_lightning.rollout import factory
 from rlvr_lightning.types import Sampling
 
@@ -48,7 +49,8 @@ def test_invalid_arguments(kwargs):
 def _module(engine="hf", policy="tiny:0", old_logprobs="auto", temperature=1.0):
     """What ``setup`` reads of an ``RLVRModule``, without building one."""
     return SimpleNamespace(
-        hparams=SimpleNamespace(engine=engine, policy=policy, old_logprobs=old_logprobs),
+        hparams=SimpleNamespace(engine=engine, policy=policy),
+        options=Options(correction=Correction(old_logprobs=old_logprobs)),
         sampling=Sampling(temperature=temperature),
     )
 

@@ -14,8 +14,8 @@ from rlvr_lightning.callbacks.completions_table import TABLE_KEY, completion_row
 from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.rewards import boxed_accuracy
-from rlvr_lightning.summary import summarise_step
-from rlvr_lightning.testing import digit_fraction, quiet_trainer
+from rlvr_lightning.stages.summary import summarise_step
+from rlvr_lightning.testing import digit_fraction, grouped, quiet_trainer
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored
 
 COLUMNS = [
@@ -152,9 +152,11 @@ def test_fit_writes_every_n_steps_beside_the_metrics_and_to_table_loggers(tmp_pa
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=[boxed_accuracy, digit_fraction],
-        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=2),
-        micro_batch_size=8,
+        **grouped(
+            reward_fns=[boxed_accuracy, digit_fraction],
+            sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=2),
+            micro_batch_size=8,
+        ),
     )
     data = RLVRDataModule("addition", train_size=4, val_size=2, prompts_per_step=2)
     loggers = [CSVLogger(tmp_path), TextLogger(), TableLogger()]

@@ -10,9 +10,10 @@ import torch
 from rlvr_lightning.callbacks import GroundTruthInjection
 
 from rlvr_lightning import RLVRModule
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 from rlvr_lightning.data.sources import Example
 from rlvr_lightning.rewards import boxed_format, extract_boxed
+from rlvr_lightning.testing import grouped
 from rlvr_lightning.types import PromptBatch, Sampling
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
@@ -30,8 +31,10 @@ def fake_accuracy(completions: list[str], answer: list[str], **_: object) -> lis
 def module() -> RLVRModule:
     return RLVRModule(
         "tiny:0",
-        reward_fns=[fake_accuracy, boxed_format],
-        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+        **grouped(
+            reward_fns=[fake_accuracy, boxed_format],
+            sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+        ),
     )
 
 
@@ -124,7 +127,7 @@ def test_fit_through_the_cli_logs_per_source_metrics(tmp_path):
             CONFIG,
             f"--trainer.default_root_dir={tmp_path}",
             "--trainer.callbacks+=rlvr_lightning.callbacks.GroundTruthInjection",
-            "--model.init_args.offpolicy_weighting=on_policy",
+            "--model.init_args.offpolicy.weighting=on_policy",
         ]
     )
     logged = cli.trainer.logged_metrics

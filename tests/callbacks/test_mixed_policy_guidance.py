@@ -15,6 +15,7 @@ from rlvr_lightning.callbacks.mixed_policy_guidance import answer_prefix
 from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.rewards import extract_boxed
+from rlvr_lightning.testing import grouped
 from rlvr_lightning.types import PromptBatch, Sampling
 
 
@@ -33,7 +34,7 @@ def even_length(completions: list[str], **_: object) -> list[float]:
 
 def _module(reward=fake_accuracy, g: int = 4) -> RLVRModule:
     return RLVRModule(
-        "tiny:0", reward_fns=[reward], sampling=Sampling(max_new_tokens=6, group_size=g)
+        "tiny:0", **grouped(reward_fns=[reward], sampling=Sampling(max_new_tokens=6, group_size=g))
     )
 
 

@@ -9,7 +9,8 @@ import torch
 from rlvr_lightning.callbacks import NearFuturePolicyGuidance
 
 from rlvr_lightning import RLVRModule
-from rlvr_lightning.lookahead import trainable_state
+from rlvr_lightning.guidance.lookahead import trainable_state
+from rlvr_lightning.testing import grouped
 from rlvr_lightning.types import PromptBatch, Sampling
 
 G = 4
@@ -23,8 +24,10 @@ def test_gate_and_pool_read_the_sampled_outcome_under_prior_injection():
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=[always_right],
-        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=G),
+        **grouped(
+            reward_fns=[always_right],
+            sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=G),
+        ),
     )
     batch = PromptBatch(
         prompt_ids=["a", "b", "c"],

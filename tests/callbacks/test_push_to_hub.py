@@ -10,7 +10,7 @@ from rlvr_lightning.callbacks import ExportModel, PushToHub
 from rlvr_lightning.callbacks.push_to_hub import push_due
 from transformers import AutoModelForCausalLM
 
-from rlvr_lightning.cli import build_cli, reset_metric_states
+from rlvr_lightning.cli.main import build_cli, reset_metric_states
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 

@@ -9,9 +9,9 @@ import torch
 from rlvr_lightning.callbacks import RichStepProgressBar, StepProgressBar
 
 from rlvr_lightning import RLVRModule
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.testing import digit_fraction, quiet_trainer
+from rlvr_lightning.testing import digit_fraction, grouped, quiet_trainer
 from rlvr_lightning.types import Sampling
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
@@ -22,8 +22,10 @@ def test_bar_counts_steps_toward_max_steps(bar_class):
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=[digit_fraction],
-        sampling=Sampling(max_new_tokens=4, temperature=1.0, group_size=2),
+        **grouped(
+            reward_fns=[digit_fraction],
+            sampling=Sampling(max_new_tokens=4, temperature=1.0, group_size=2),
+        ),
     )
     data = RLVRDataModule("addition", train_size=4, val_size=2, prompts_per_step=2)
     bar = bar_class()

@@ -7,7 +7,7 @@ import torch
 from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlvr_lightning.cli import main
+from rlvr_lightning.cli.main import main
 
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow

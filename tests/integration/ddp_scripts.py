@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlvr_lightning.testing import grouped
+
 FILTERED_RANK = 1
 
 
@@ -40,12 +42,14 @@ def fit(out: str) -> None:
     pl.seed_everything(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=[rank_reward],
-        filter_zero_variance=True,
-        sampling=Sampling(max_new_tokens=8, group_size=4),
-        micro_batch_size=2,
-        minibatches_per_rollout=2,
-        lr=1e-3,
+        **grouped(
+            reward_fns=[rank_reward],
+            filter_zero_variance=True,
+            sampling=Sampling(max_new_tokens=8, group_size=4),
+            micro_batch_size=2,
+            minibatches_per_rollout=2,
+            lr=1e-3,
+        ),
     )
     data = RLVRDataModule(source="addition", train_size=32, val_size=4, prompts_per_step=2)
     trainer = pl.Trainer(
@@ -107,8 +111,8 @@ def _manual_step(ddp, run):
 
 
 def _update(mode: str):
-    from rlvr_lightning.losses import ppo_clip_loss
-    from rlvr_lightning.update import PolicyUpdate
+    from rlvr_lightning.algorithms.losses import ppo_clip_loss
+    from rlvr_lightning.stages.update import PolicyUpdate
 
     return PolicyUpdate(
         loss_fn=ppo_clip_loss,

@@ -11,7 +11,7 @@ from rlvr_lightning.callbacks import AdaptiveTemperature, AnnealedTemperature
 
 from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.testing import digit_fraction
+from rlvr_lightning.testing import digit_fraction, grouped
 from rlvr_lightning.types import Sampling
 
 T_MAX = 8
@@ -27,9 +27,11 @@ def _run(tmp_path, max_steps: int, ckpt: str | None = None):
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=[always_right, digit_fraction],
-        sampling=Sampling(max_new_tokens=T_MAX, temperature=1.0, group_size=4),
-        micro_batch_size=8,
+        **grouped(
+            reward_fns=[always_right, digit_fraction],
+            sampling=Sampling(max_new_tokens=T_MAX, temperature=1.0, group_size=4),
+            micro_batch_size=8,
+        ),
     )
     seen = []
     generate = module.engine.generate

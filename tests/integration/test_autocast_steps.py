@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.stages.update import PolicyUpdate
 from rlvr_lightning.testing import quiet_trainer, tiny_module
-from rlvr_lightning.update import PolicyUpdate
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
@@ -63,7 +63,7 @@ def test_the_fused_optimiser_still_clips_the_gradient_norm(precision):
 def test_heap_trimmed_around_each_backward_on_the_cpu_unless_turned_off(
     monkeypatch, precision, trim_heap, expected
 ):
-    from rlvr_lightning import heap
+    from rlvr_lightning.device import heap
 
     calls, backwards = [], []
     monkeypatch.setattr(heap, "release_free_pages", lambda: calls.append(1) or True)

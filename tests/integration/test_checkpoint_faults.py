@@ -17,8 +17,8 @@ import pytest
 import torch
 import yaml
 
-from rlvr_lightning import checkpointing
-from rlvr_lightning.cli import build_cli, main
+from rlvr_lightning.cli.main import build_cli, main
+from rlvr_lightning.runtime import checkpointing
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -194,7 +194,7 @@ def _assert_same(a, b, path="") -> None:
 
 
 # Two optimiser steps per rollout step; calls 1-2 belong to rollout step 0, 3-4 to step 1.
-STEP = ["--model.init_args.minibatches_per_rollout=2", "--trainer.max_steps=6"]
+STEP = ["--model.init_args.update.minibatches_per_rollout=2", "--trainer.max_steps=6"]
 
 
 @pytest.mark.parametrize(
@@ -350,9 +350,9 @@ def test_huge_lr_skips_nonfinite_gradient_steps_and_says_which_checkpoint_is_goo
     d = tmp_path / "c"
     c = cli(
         tmp_path,
-        "--model.init_args.lr=1e30",
-        "--model.init_args.grad_clip=null",
-        "--model.init_args.max_nonfinite_steps=2",
+        "--model.init_args.update.lr=1e30",
+        "--model.init_args.update.grad_clip=null",
+        "--model.init_args.update.max_nonfinite_steps=2",
         "--trainer.max_steps=8",
         *ckpt_flags(d, every=1, keep=10),
     )

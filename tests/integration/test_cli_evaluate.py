@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import build_cli, main
+from rlvr_lightning.cli.main import build_cli, main
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 TEST_ROWS = [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(5)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import build_cli, main, silence_library_noise
+from rlvr_lightning.cli.main import build_cli, main, silence_library_noise
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -27,7 +27,8 @@ def _script(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_console_script_imports_reward_modules_from_the_working_directory(tmp_path):
     (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
-    (tmp_path / "run.yaml").write_text("model:\n  init_args:\n    reward_fns: [my_rewards.short]\n")
+    run = "model:\n  init_args:\n    rewards: {functions: [my_rewards.short]}\n"
+    (tmp_path / "run.yaml").write_text(run)
     out = _script(tmp_path, "fit", "--config", CONFIG, "--config", "run.yaml", "--print_config")
     assert out.returncode == 0, out.stderr
     assert "my_rewards.short" in out.stdout
@@ -60,10 +61,12 @@ def test_optimizer_options_are_refused_and_name_model_lr(capsys, option):
 
 
 def test_model_lr_and_warmup_drive_the_optimiser_and_export_reads_the_checkpoint(tmp_path):
-    from rlvr_lightning.cli import build_cli
+    from rlvr_lightning.cli.main import build_cli
 
     args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
-    cli = build_cli([*args, "--model.init_args.lr=0.002", "--model.init_args.warmup_steps=4"])
+    cli = build_cli(
+        [*args, "--model.init_args.update.lr=0.002", "--model.init_args.update.warmup_steps=4"]
+    )
     # Two optimiser steps of a linear warm-up over 4: lr * min(1, (2 + 1) / 4).
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.002 * 3 / 4)
     ckpt = tmp_path / "run.ckpt"
@@ -75,11 +78,14 @@ def test_model_lr_and_warmup_drive_the_optimiser_and_export_reads_the_checkpoint
 
 
 def test_lr_decay_reaches_its_floor_at_max_steps(tmp_path):
-    from rlvr_lightning.cli import build_cli
+    from rlvr_lightning.cli.main import build_cli
 
     args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
-    decay = ["--model.init_args.lr_decay=linear", "--model.init_args.min_lr_ratio=0.5"]
-    cli = build_cli([*args, "--model.init_args.lr=0.002", "--trainer.max_steps=2", *decay])
+    decay = [
+        "--model.init_args.update.lr_decay=linear",
+        "--model.init_args.update.min_lr_ratio=0.5",
+    ]
+    cli = build_cli([*args, "--model.init_args.update.lr=0.002", "--trainer.max_steps=2", *decay])
     # After 2 of 2 optimiser steps: 0.002 * (0.5 + 0.5 * (2 - 2) / 2).
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001)
 
@@ -92,14 +98,14 @@ BAD_YAML = "model:\n  init_args:\n    lr_typo: 1.0\n"
     [
         (["--model.init_args.policy=./no_such_model"], 1, "Model folder './no_such_model' does"),
         (["--config", "bad.yaml"], 2, "Option 'lr_typo' is not accepted"),
-        (["--model.init_args.reward_fns=[no_such_rewards.fn]"], 2, "No module named"),
+        (["--model.init_args.rewards.functions=[no_such_rewards.fn]"], 2, "No module named"),
         (["--config", "missing.yaml"], 2, "File does not exist"),
         (["--model.init_args.sampling.group_size=1"], 1, "group_size must be >= 2"),
         (["--model.init_args.sampling.max_new_tokens=0"], 1, "max_new_tokens is 0; use >= 1"),
         (["--data.init_args.source=empty.jsonl"], 1, "empty.jsonl: holds no rows"),
         (["--data.init_args.instruction=Note: be brief"], 2, "is read as a YAML mapping"),
         (
-            ["--model.init_args.lr_decay=cosine", "--trainer.max_steps=-1"],
+            ["--model.init_args.update.lr_decay=cosine", "--trainer.max_steps=-1"],
             1,
             "trainer.max_steps is -1: set trainer.max_steps",
         ),
@@ -145,7 +151,7 @@ def test_the_overview_help_imports_neither_torch_nor_lightning():
     # What keeps `rlvr-lightning --help` fast (0.05 s; 5 s when it built LightningCLI).
     code = (
         "import sys\n"
-        "from rlvr_lightning.command import main\n"
+        "from rlvr_lightning.cli.command import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "heavy = sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules)\n"
         "assert not heavy, heavy\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import main
+from rlvr_lightning.cli.main import main
 from rlvr_lightning.data import DataError
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")

@@ -10,8 +10,8 @@ from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.data.curriculum import VarianceCurriculum
 from rlvr_lightning.data.replay import PromptReplay
-from rlvr_lightning.hooks import RLVRCallback
-from rlvr_lightning.testing import quiet_trainer
+from rlvr_lightning.stages.hooks import RLVRCallback
+from rlvr_lightning.testing import grouped, quiet_trainer
 from rlvr_lightning.types import Sampling
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -35,11 +35,13 @@ class Record(RLVRCallback):
 def module(**kwargs) -> RLVRModule:
     return RLVRModule(
         "tiny:0",
-        reward_fns=[coin],
-        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
-        micro_batch_size=16,
-        lr=1e-3,
-        **kwargs,
+        **grouped(
+            reward_fns=[coin],
+            sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+            micro_batch_size=16,
+            lr=1e-3,
+            **kwargs,
+        ),
     )
 
 
@@ -135,11 +137,13 @@ def test_an_all_wrong_group_reaches_the_injection_hook_before_dynamic_sampling_j
     seen, record = Seen(), Record()
     model = RLVRModule(
         "tiny:0",
-        reward_fns=[never],
-        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
-        dynamic_sampling=True,
-        max_gen_rounds=2,
-        micro_batch_size=16,
+        **grouped(
+            reward_fns=[never],
+            sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+            dynamic_sampling=True,
+            max_gen_rounds=2,
+            micro_batch_size=16,
+        ),
     )
     dm = RLVRDataModule(train_size=40, val_size=4, prompts_per_step=4)
     quiet_trainer(max_steps=2, callbacks=[seen, record]).fit(model, datamodule=dm)

@@ -5,12 +5,12 @@ import textwrap
 
 import pytest
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 
 USER_MODULE = """
 import torch
 from rlvr_lightning import RLVRModule
-from rlvr_lightning.losses import ppo_clip_loss
+from rlvr_lightning.algorithms.losses import ppo_clip_loss
 
 CALLS = {"loss": 0, "reward": 0, "advantages": 0}
 
@@ -46,9 +46,10 @@ model:
   class_path: my_rl.SignAdvantages
   init_args:
     policy: "tiny:0"
-    loss_fn: my_rl.halved_ppo
-    reward_fns: [my_rl.count_letters, rlvr_lightning.rewards.boxed_format]
-    reward_weights: [1.0, 0.5]
+    loss: {fn: my_rl.halved_ppo}
+    rewards:
+      functions: [my_rl.count_letters, rlvr_lightning.rewards.boxed_format]
+      weights: [1.0, 0.5]
     sampling: {max_new_tokens: 8, group_size: 4}
 data:
   class_path: rlvr_lightning.RLVRDataModule

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 
@@ -32,7 +32,7 @@ def test_nan_loss_skips_steps_then_stops_with_a_clear_error():
     def nan_loss(logp, old_logp, advantages, mask, **_):
         return logp * float("nan"), {}
 
-    cli = _cli("--model.init_args.max_nonfinite_steps=2", "--trainer.max_steps=5")
+    cli = _cli("--model.init_args.update.max_nonfinite_steps=2", "--trainer.max_steps=5")
     cli.model.updater = type(cli.model.updater)(
         **{**cli.model.updater.__dict__, "loss_fn": nan_loss}
     )

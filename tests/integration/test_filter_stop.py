@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import main
+from rlvr_lightning.cli.main import main
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 # boxed_format is 0 for every completion of the random tiny model: a constant reward, so
 # filter_zero_variance drops every group (the outcome never varies within one).
-CONSTANT = ["--model.init_args.reward_fns=[rlvr_lightning.rewards.boxed_format]"]
+CONSTANT = ["--model.init_args.rewards.functions=[rlvr_lightning.rewards.boxed_format]"]
 
 
 def test_all_groups_filtered_stops_with_a_clear_error(tmp_path, capsys):
@@ -20,8 +20,8 @@ def test_all_groups_filtered_stops_with_a_clear_error(tmp_path, capsys):
         CONFIG,
         f"--trainer.default_root_dir={tmp_path}",
         *CONSTANT,
-        "--model.init_args.filter_zero_variance=true",
-        "--model.init_args.max_steps_without_update=3",
+        "--model.init_args.selection.filter_zero_variance=true",
+        "--model.init_args.update.max_steps_without_update=3",
     ]
     with pytest.raises(SystemExit) as stop:
         main(args=args)
@@ -31,6 +31,8 @@ def test_all_groups_filtered_stops_with_a_clear_error(tmp_path, capsys):
 
 def test_max_steps_without_update_must_be_positive(capsys):
     with pytest.raises(SystemExit) as stop:
-        main(args=["fit", "--config", CONFIG, "--model.init_args.max_steps_without_update=0"])
+        main(
+            args=["fit", "--config", CONFIG, "--model.init_args.update.max_steps_without_update=0"]
+        )
     assert stop.value.code == 1
     assert "max_steps_without_update must be >= 1" in capsys.readouterr().err

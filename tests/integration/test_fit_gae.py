@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 from rlvr_lightning.hub import module_heads
 from rlvr_lightning.testing import checkpointing_args
 
@@ -69,7 +69,7 @@ def test_gae_without_a_value_head_and_a_head_without_gae_are_setup_errors():
 
 
 def test_gae_with_trainer_old_logprobs_takes_values_from_the_same_pass(tmp_path):
-    cli = _cli(tmp_path, "--model.init_args.old_logprobs=trainer")
+    cli = _cli(tmp_path, "--model.init_args.correction.old_logprobs=trainer")
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     logged = cli.trainer.logged_metrics
     assert torch.isfinite(logged["train/value_loss"])

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 from rlvr_lightning.heads import ProbeHead
 from rlvr_lightning.hub import export_pretrained, module_heads
 from rlvr_lightning.testing import checkpointing_args
@@ -93,7 +93,7 @@ def test_probe_fit_resumes_with_its_buffer_and_counters(tmp_path):
 
 
 def test_probe_with_trainer_old_logprobs_takes_features_from_the_same_pass(tmp_path):
-    cli = _cli(tmp_path, "--model.init_args.old_logprobs=trainer")
+    cli = _cli(tmp_path, "--model.init_args.correction.old_logprobs=trainer")
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     logged = cli.trainer.logged_metrics
     assert "train/mismatch/kl" in logged  # the π_old pass ran, and gave the features too

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
+from rlvr_lightning.testing import grouped
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 
@@ -93,9 +94,9 @@ def test_lora_with_kl_uses_the_disabled_adapter_as_reference(tmp_path):
         [
             "--config",
             CONFIG,
-            "--model.init_args.lora_rank=4",
-            "--model.init_args.kl_coef=0.1",
-            "--model.init_args.lora_target_modules=[q_proj,v_proj]",
+            "--model.init_args.lora.rank=4",
+            "--model.init_args.loss.kl_coef=0.1",
+            "--model.init_args.lora.target_modules=[q_proj,v_proj]",
         ],
         run=False,
     )
@@ -111,7 +112,7 @@ def test_lora_with_kl_uses_the_disabled_adapter_as_reference(tmp_path):
 
 
 def test_kl_with_full_finetuning_keeps_a_frozen_copy():
-    cli = build_cli(["--config", CONFIG, "--model.init_args.kl_coef=0.1"], run=False)
+    cli = build_cli(["--config", CONFIG, "--model.init_args.loss.kl_coef=0.1"], run=False)
     ref = cli.model.reference
     assert ref is not None and not any(p.requires_grad for p in ref.parameters())
     assert not any(k.startswith("_reference") for k in cli.model.state_dict())
@@ -125,7 +126,7 @@ def test_presets_train(algorithm):
     # on the random tiny model: judging by the dense reward makes its groups informative.
     args = ["--config", CONFIG, f"--model.init_args.algorithm={algorithm}"]
     if algorithm == "dapo":
-        args.append("--model.init_args.informative=reward")
+        args.append("--model.init_args.selection.informative=reward")
     cli = build_cli(args, run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step >= 1
@@ -136,8 +137,8 @@ def test_several_epochs_and_minibatches_per_rollout_step_the_optimizer_each_time
         [
             "--config",
             CONFIG,
-            "--model.init_args.epochs_per_rollout=2",
-            "--model.init_args.minibatches_per_rollout=2",
+            "--model.init_args.update.epochs_per_rollout=2",
+            "--model.init_args.update.minibatches_per_rollout=2",
             "--trainer.max_steps=4",
         ],
         run=False,
@@ -171,9 +172,9 @@ def test_validate_from_a_checkpoint_keeps_the_configured_rewards(tmp_path):
     _fit(
         tmp_path,
         *ckpt,
-        "--model.init_args.reward_fns=[rlvr_lightning.testing.digit_fraction,"
+        "--model.init_args.rewards.functions=[rlvr_lightning.testing.digit_fraction,"
         "rlvr_lightning.rewards.boxed_format]",
-        "--model.init_args.reward_weights=[1.0,0.5]",
+        "--model.init_args.rewards.weights=[1.0,0.5]",
     )
     # LightningCLI re-reads the model's hyperparameters from the checkpoint; they must be complete.
     cli = build_cli(
@@ -182,9 +183,9 @@ def test_validate_from_a_checkpoint_keeps_the_configured_rewards(tmp_path):
             "--config",
             CONFIG,
             f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}",
-            "--model.init_args.reward_fns=[rlvr_lightning.testing.digit_fraction,"
+            "--model.init_args.rewards.functions=[rlvr_lightning.testing.digit_fraction,"
             "rlvr_lightning.rewards.boxed_format]",
-            "--model.init_args.reward_weights=[1.0,0.5]",
+            "--model.init_args.rewards.weights=[1.0,0.5]",
         ]
     )
     assert cli.model.rewards.names == ["digit_fraction", "boxed_format"]
@@ -200,7 +201,10 @@ def test_python_api_checkpoint_resumes_with_function_arguments(tmp_path):
 
     def run(steps, ckpt_path=None):
         module = RLVRModule(
-            "tiny:0", reward_fns=[digit_fraction], sampling=Sampling(max_new_tokens=8, group_size=4)
+            "tiny:0",
+            **grouped(
+                reward_fns=[digit_fraction], sampling=Sampling(max_new_tokens=8, group_size=4)
+            ),
         )
         data = RLVRDataModule(train_size=16, val_size=4, prompts_per_step=2)
         trainer = pl.Trainer(
@@ -216,7 +220,7 @@ def test_python_api_checkpoint_resumes_with_function_arguments(tmp_path):
 
     module, _ = run(1)
     # Functions and dataclasses are stored as plain data: weights_only loading accepts them.
-    assert module.hparams["reward_fns"] == ["rlvr_lightning.testing.digit_fraction"]
+    assert module.hparams["rewards"]["functions"] == ["rlvr_lightning.testing.digit_fraction"]
     assert module.hparams["sampling"]["group_size"] == 4
     _, trainer = run(2, ckpt_path=tmp_path / "last.ckpt")
     assert trainer.global_step == 2

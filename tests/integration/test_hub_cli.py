@@ -11,7 +11,7 @@ from rlvr_lightning.callbacks import ExportModel
 from torchmetrics import MeanMetric
 from transformers import AutoModelForCausalLM
 
-from rlvr_lightning.cli import build_cli, main, reset_metric_states
+from rlvr_lightning.cli.main import build_cli, main, reset_metric_states
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 IDS = torch.tensor([[5, 6, 7, 8]])  # [1, 4]
@@ -84,7 +84,7 @@ def test_push_a_checkpoint_exports_it_with_a_card_and_uploads(tmp_path, capsys, 
 
 
 def test_push_a_lora_checkpoint_as_an_adapter(tmp_path, fake_hub):
-    _, ckpt = _checkpoint(tmp_path, "--model.init_args.lora_rank=2")
+    _, ckpt = _checkpoint(tmp_path, "--model.init_args.lora.rank=2")
     with fake_hub() as hub:
         main(["push", str(ckpt), "--repo-id", "me/adapter", "--endpoint", hub.url, "--public"])
         main(

@@ -12,8 +12,8 @@ from rlvr_lightning.callbacks import NearFuturePolicyGuidance
 
 from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.hooks import RLVRCallback
-from rlvr_lightning.testing import digit_fraction, quiet_trainer
+from rlvr_lightning.stages.hooks import RLVRCallback
+from rlvr_lightning.testing import digit_fraction, grouped, quiet_trainer
 from rlvr_lightning.types import Sampling
 
 
@@ -35,10 +35,12 @@ def _fit(callbacks, steps, tmp_path=None, ckpt_every=False):
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=[has_digit, digit_fraction],
-        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
-        micro_batch_size=8,
-        lr=1e-2,
+        **grouped(
+            reward_fns=[has_digit, digit_fraction],
+            sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+            micro_batch_size=8,
+            lr=1e-2,
+        ),
     )
     data = RLVRDataModule("addition", train_size=16, val_size=2, prompts_per_step=4)
     extra = {}
@@ -165,7 +167,7 @@ def test_auto_chooses_delta_by_effective_signal_and_state_round_trips(tmp_path):
 def test_npo_config_runs_through_the_cli(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from rlvr_lightning.cli import build_cli
+    from rlvr_lightning.cli.main import build_cli
 
     config = Path(__file__).parents[2] / "configs" / "npo.yaml"
     monkeypatch.chdir(tmp_path)
@@ -188,7 +190,7 @@ def test_npo_config_runs_through_the_cli(tmp_path, monkeypatch):
 
 
 def test_auto_without_mistakes_never_looks_ahead(monkeypatch):
-    from rlvr_lightning import lookahead
+    from rlvr_lightning.guidance import lookahead
 
     def fail(*args, **kwargs):
         raise AssertionError("looked ahead with an empty mistake pool")
@@ -198,8 +200,10 @@ def test_auto_without_mistakes_never_looks_ahead(monkeypatch):
     torch.manual_seed(0)
     module = RLVRModule(
         "tiny:0",
-        reward_fns=[lambda completions, **_: [1.0] * len(completions), digit_fraction],
-        sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+        **grouped(
+            reward_fns=[lambda completions, **_: [1.0] * len(completions), digit_fraction],
+            sampling=Sampling(max_new_tokens=6, temperature=1.0, group_size=4),
+        ),
     )
     data = RLVRDataModule("addition", train_size=8, val_size=2, prompts_per_step=2)
     trainer = quiet_trainer(max_steps=4, callbacks=[npo_cb])

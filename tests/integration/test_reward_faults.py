@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 from rlvr_lightning.rewards import RewardCombiner, RewardContractError, RewardWorkers, faults
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
@@ -62,8 +62,8 @@ def test_signal_stops_the_cli_whatever_the_reward_does(
         "--config",
         CONFIG,
         f"--trainer.default_root_dir={tmp_path}",
-        f"--model.init_args.reward_fns=[rlvr_lightning.rewards.faults.{reward}]",
-        "--model.init_args.reward_timeout_s=60",
+        f"--model.init_args.rewards.functions=[rlvr_lightning.rewards.faults.{reward}]",
+        "--model.init_args.rewards.timeout_s=60",
     ]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
@@ -88,9 +88,9 @@ def test_nan_reward_stops_fit_naming_the_function(tmp_path: Path) -> None:
             "--config",
             CONFIG,
             f"--trainer.default_root_dir={tmp_path}",
-            "--model.init_args.reward_fns=[rlvr_lightning.testing.digit_fraction,"
+            "--model.init_args.rewards.functions=[rlvr_lightning.testing.digit_fraction,"
             "rlvr_lightning.rewards.faults.nan_values]",
-            "--model.init_args.reward_isolate=false",  # no worker needed to check the contract
+            "--model.init_args.rewards.isolate=false",  # no worker needed to check the contract
         ],
         run=False,
     )
@@ -106,10 +106,10 @@ def test_nan_policy_fail_counts_and_training_continues(tmp_path: Path) -> None:
             "--config",
             CONFIG,
             f"--trainer.default_root_dir={tmp_path}",
-            "--model.init_args.reward_fns=[rlvr_lightning.testing.digit_fraction,"
+            "--model.init_args.rewards.functions=[rlvr_lightning.testing.digit_fraction,"
             "rlvr_lightning.rewards.faults.nan_values]",
-            "--model.init_args.reward_isolate=[]",
-            "--model.init_args.reward_nan_policy=fail",
+            "--model.init_args.rewards.isolate=[]",
+            "--model.init_args.rewards.nan_policy=fail",
         ],
         run=False,
     )

@@ -5,12 +5,14 @@ Run from a venv with vLLM: ``/work/venv-vllm/bin/pytest tests/integration/test_r
 
 import pytest
 
+from rlvr_lightning.testing import grouped
+
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
 from rlvr_lightning import RLVRDataModule, RLVRModule  # noqa: E402
-from rlvr_lightning.forward import completion_logprobs  # noqa: E402
+from rlvr_lightning.device.forward import completion_logprobs  # noqa: E402
 from rlvr_lightning.models import add_lora  # noqa: E402
 from rlvr_lightning.rollout.base import policy_weights  # noqa: E402
 from rlvr_lightning.rollout.vllm import VLLMEngine  # noqa: E402
@@ -181,12 +183,14 @@ def test_engine_built_in_inference_mode_still_syncs(folder):
 def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):
     module = RLVRModule(
         str(folder),
-        reward_fns=[digit_fraction],
-        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
-        micro_batch_size=4,
-        lr=1e-2,
-        engine="vllm",
-        engine_kwargs={"kv_cache_gb": KV_GB},
+        **grouped(
+            reward_fns=[digit_fraction],
+            sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+            micro_batch_size=4,
+            lr=1e-2,
+            engine="vllm",
+            engine_kwargs={"kv_cache_gb": KV_GB},
+        ),
     )
     assert isinstance(module.engine, VLLMEngine) and not module.engine.shares_policy
     data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
@@ -209,12 +213,14 @@ def test_bf16_mixed_fit_takes_pi_old_from_the_trainer(folder):
 
     module = RLVRModule(
         str(folder),
-        reward_fns=[digit_fraction],
-        sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
-        micro_batch_size=8,
-        lr=1e-3,
-        engine="vllm",
-        engine_kwargs={"kv_cache_gb": KV_GB},
+        **grouped(
+            reward_fns=[digit_fraction],
+            sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+            micro_batch_size=8,
+            lr=1e-3,
+            engine="vllm",
+            engine_kwargs={"kv_cache_gb": KV_GB},
+        ),
     )
     seen = []
     loss_fn = module.updater.loss_fn

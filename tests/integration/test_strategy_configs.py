@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning import RLVRModule, build
-from rlvr_lightning.cli import main
+from rlvr_lightning import RLVRModule
+from rlvr_lightning.cli.main import main
+from rlvr_lightning.stages import build
 from rlvr_lightning.types import PromptBatch
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
@@ -44,7 +45,7 @@ def _fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, *args: st
             "--config",
             CONFIG,
             f"--trainer.default_root_dir={tmp_path}",
-            f"--model.init_args.reward_fns=[{module}.judged]",
+            f"--model.init_args.rewards.functions=[{module}.judged]",
             "--data.init_args.val_size=4",
             *args,
         ]
@@ -97,7 +98,7 @@ def test_a_reward_column_missing_from_the_data_stops_before_training(tmp_path, c
                 CONFIG,
                 f"--trainer.default_root_dir={tmp_path}",
                 f"--data.init_args.source={data}",
-                "--model.init_args.reward_fns=[rlvr_lightning.rewards.boxed_accuracy]",
+                "--model.init_args.rewards.functions=[rlvr_lightning.rewards.boxed_accuracy]",
             ]
         )
     assert exit_info.value.code == 1

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlvr_lightning.advantages import (
+from rlvr_lightning.algorithms.advantages import (
     compute_advantages,
     group_advantages,
     group_stats,

@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from rlvr_lightning import attention
-from rlvr_lightning.shared_prompts import cache_kwarg
+from rlvr_lightning.device import attention
+from rlvr_lightning.device.shared_prompts import cache_kwarg
 from rlvr_lightning.testing import tiny_policy
 
 

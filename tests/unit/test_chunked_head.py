@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from rlvr_lightning.chunked_head import head_logprobs
+from rlvr_lightning.device.chunked_head import head_logprobs
 
 
 def _plain(h, w, b, labels, temperature):
@@ -222,7 +222,7 @@ def test_running_entropy_keeps_its_digits_for_large_and_peaked_logits(block: int
 def test_kept_logits_give_the_recomputed_gradients_and_a_second_backward_recomputes(
     monkeypatch,
 ) -> None:
-    from rlvr_lightning import chunked_head
+    from rlvr_lightning.device import chunked_head
 
     calls = []
     scores = chunked_head._scores

@@ -8,15 +8,14 @@ import math
 import pytest
 import torch
 
-from rlvr_lightning.correction import (
+from rlvr_lightning.algorithms.correction import (
     correction_weights,
-    deferred_trainer_logprobs,
     log_ratio,
     mismatch_metrics,
     needs_trainer_logprobs,
-    with_trainer_logprobs,
 )
 from rlvr_lightning.rollout.factory import engine_dtype
+from rlvr_lightning.stages.old_logprobs import deferred_trainer_logprobs, with_trainer_logprobs
 from rlvr_lightning.testing import tiny_policy
 from rlvr_lightning.types import Rollouts
 

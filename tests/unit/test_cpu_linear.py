@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rlvr_lightning import cpu_linear
-from rlvr_lightning.forward import fused_head
+from rlvr_lightning.device import cpu_linear
+from rlvr_lightning.device.forward import fused_head
 from rlvr_lightning.testing import tiny_policy
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no oneDNN linear kernel")

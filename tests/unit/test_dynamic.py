@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from rlvr_lightning.dynamic import (
+from rlvr_lightning.stages.dynamic import (
     concat_prompt_batches,
     concat_rollouts,
     concat_scored,

@@ -9,14 +9,15 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlvr_lightning import cpu_linear, models
-from rlvr_lightning.forward import completion_forward, fused_head
+from rlvr_lightning import models
+from rlvr_lightning.device import cpu_linear
+from rlvr_lightning.device.forward import completion_forward, fused_head
 from rlvr_lightning.heads import ValueHead
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.rollout.hf import HFEngine
-from rlvr_lightning.testing import ppo_update, tiny_policy
+from rlvr_lightning.stages.update import PolicyUpdate
+from rlvr_lightning.testing import grouped, ppo_update, tiny_policy
 from rlvr_lightning.types import Sampling
-from rlvr_lightning.update import PolicyUpdate
 
 CHUNK = 5  # tokens per chunk: several chunks per micro-batch, not a divisor of n * t
 
@@ -150,10 +151,10 @@ def test_update_gradient_is_the_same_with_and_without_the_chunked_head() -> None
 
 def test_module_option_reaches_the_update_and_is_validated() -> None:
     assert RLVRModule("tiny:0").updater.head_chunk_tokens == 1024
-    assert RLVRModule("tiny:0", head_chunk_tokens=64).updater.head_chunk_tokens == 64
-    assert RLVRModule("tiny:0", chunked_head=False).updater.head_chunk_tokens is None
+    assert RLVRModule("tiny:0", **grouped(head_chunk_tokens=64)).updater.head_chunk_tokens == 64
+    assert RLVRModule("tiny:0", **grouped(chunked_head=False)).updater.head_chunk_tokens is None
     with pytest.raises(ValueError, match="chunked_head: false"):
-        RLVRModule("tiny:0", head_chunk_tokens=0)
+        RLVRModule("tiny:0", **grouped(head_chunk_tokens=0))
 
 
 def test_lora_policy_keeps_the_fused_head_unless_lm_head_is_adapted() -> None:

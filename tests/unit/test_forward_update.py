@@ -1,12 +1,12 @@
 import torch
 
-from rlvr_lightning.forward import completion_logprobs, group_microbatches
-from rlvr_lightning.losses import ppo_clip_loss
+from rlvr_lightning.algorithms.losses import ppo_clip_loss
+from rlvr_lightning.device.forward import completion_logprobs, group_microbatches
+from rlvr_lightning.device.shared_prompts import length_buckets
 from rlvr_lightning.rollout.hf import HFEngine
-from rlvr_lightning.shared_prompts import length_buckets
+from rlvr_lightning.stages.update import PolicyUpdate
 from rlvr_lightning.testing import tiny_policy
 from rlvr_lightning.types import Sampling
-from rlvr_lightning.update import PolicyUpdate
 
 
 def test_microbatches_keep_groups_together():
@@ -150,7 +150,7 @@ def test_length_buckets_give_the_one_pass_values_and_gradients():
 
 
 def test_tied_embeddings_take_a_sparse_lookup_with_the_dense_lookups_gradient(monkeypatch):
-    from rlvr_lightning import shared_prompts
+    from rlvr_lightning.device import shared_prompts
 
     model, r = _rollouts(seed=3)
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
@@ -181,7 +181,7 @@ def test_tied_embeddings_take_a_sparse_lookup_with_the_dense_lookups_gradient(mo
 
 
 def test_sparse_lookup_only_for_a_plain_tied_table_under_autograd():
-    from rlvr_lightning.shared_prompts import sparse_lookup
+    from rlvr_lightning.device.shared_prompts import sparse_lookup
 
     model, _ = tiny_policy(seed=0)
     ids = torch.tensor([[5, 6, 7]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlvr_lightning.advantages import compute_advantages, gae, outcome_token_rewards
+from rlvr_lightning.algorithms.advantages import compute_advantages, gae, outcome_token_rewards
 
 # Row 0: 3 valid tokens, V = [0.5, 0.2, 0.4], reward 1.0 at t = 2.
 # Row 1: 2 valid tokens, V = [0.3, -0.1], reward -0.5 at t = 1. Padding holds 100 (ignored).

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from rlvr_lightning import heap
+from rlvr_lightning.device import heap
 
 
 def _rss_mb() -> float:

@@ -18,9 +18,9 @@ def _facts(tmp_path: Path, **overrides) -> RunFacts:
     hparams = {
         "policy": "embedded:smollm2-135m-instruct",
         "algorithm": "dapo",
-        "clip_high": None,
-        "lora_rank": 0,
-        "lr": 2e-5,
+        "loss": {"clip_high": None},
+        "lora": {"rank": 0},
+        "update": {"lr": 2e-5},
         "_class_path": "rlvr_lightning.RLVRModule",
     }
     facts = RunFacts(
@@ -105,7 +105,7 @@ def test_card_never_contains_tokens_or_local_paths(tmp_path, monkeypatch):
         callbacks=[{"name": "PushToHub", "settings": {"dirpath": str(tmp_path / "model")}}],
     )
     facts.hparams["policy"] = str(tmp_path / "my-model")
-    facts.hparams["reward_fns"] = [f"{tmp_path}/rewards.py:fn"]
+    facts.hparams["rewards"] = {"functions": [f"{tmp_path}/rewards.py:fn"]}
     text = model_card.render_card(model_card.card_context(facts, _record()))
     assert FAKE_TOKEN not in text and "hf_Zq3" not in text
     assert str(tmp_path) not in text and str(Path.home()) not in text

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import main
+from rlvr_lightning.cli.main import main
 from rlvr_lightning.hub import folder_files, is_retryable, push_folder, with_retries
 
 FAKE_TOKEN = "hf_" + "k7" * 15

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rlvr_lightning import lean_layers
-from rlvr_lightning.lean_layers import rms_norm, swiglu_down
+from rlvr_lightning.device import lean_layers
+from rlvr_lightning.device.lean_layers import rms_norm, swiglu_down
 from rlvr_lightning.models import load_policy
 from rlvr_lightning.testing import tiny_policy
 

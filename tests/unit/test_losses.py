@@ -7,7 +7,7 @@ from typing import get_args
 import pytest
 import torch
 
-from rlvr_lightning.losses import (
+from rlvr_lightning.algorithms.losses import (
     AggMode,
     PolicyLossFn,
     agg_loss,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlvr_lightning.lifecycle import lr_factor
+from rlvr_lightning.stages.lifecycle import lr_factor
 
 
 def test_warmup_then_constant():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlvr_lightning.metrics import PassAtK, pass_at_k
+from rlvr_lightning.algorithms.metrics import PassAtK, pass_at_k
 
 
 def test_pass_at_k_by_hand():

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from rlvr_lightning import npo
-from rlvr_lightning.offpolicy import Member, replace_rows
+from rlvr_lightning.algorithms import npo
+from rlvr_lightning.stages.offpolicy import Member, replace_rows
 from rlvr_lightning.types import Rollouts
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from rlvr_lightning.callbacks.ground_truth_injection import align_reference, reference_text
 
-from rlvr_lightning.advantages import (
+from rlvr_lightning.algorithms.advantages import (
     group_advantages,
     masked_group_advantages,
     max_member_advantage,
 )
-from rlvr_lightning.experience import ExperiencePool, Trajectory, bucket_probabilities
-from rlvr_lightning.offpolicy import (
+from rlvr_lightning.guidance.experience import ExperiencePool, Trajectory, bucket_probabilities
+from rlvr_lightning.stages.offpolicy import (
     Member,
     finish_source_metrics,
     guidance_slots,
@@ -24,6 +24,7 @@ from rlvr_lightning.offpolicy import (
     select_rows,
     source_loss_terms,
 )
+from rlvr_lightning.testing import grouped
 from rlvr_lightning.types import Rollouts, Scored
 
 
@@ -252,7 +253,7 @@ def test_module_rejects_an_on_policy_baseline_with_rloo():
     from rlvr_lightning import RLVRModule
 
     with pytest.raises(ValueError, match="estimator grpo or dr_grpo"):
-        RLVRModule("tiny:0", estimator="rloo", offpolicy_baseline="on_policy")
+        RLVRModule("tiny:0", **grouped(estimator="rloo", offpolicy_baseline="on_policy"))
 
 
 def test_row_helpers_keep_position_temperatures():

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from rlvr_lightning.losses import (
+from rlvr_lightning.algorithms.losses import ppo_clip_loss
+from rlvr_lightning.algorithms.offpolicy_losses import (
     mixed_policy_loss,
     offpolicy_token_loss,
     policy_shaping,
-    ppo_clip_loss,
 )
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlvr_lightning.forward import completion_logprobs
-from rlvr_lightning.losses import agg_loss, mixed_policy_loss, ppo_clip_loss
-from rlvr_lightning.offpolicy import replace_rows
+from rlvr_lightning.algorithms.losses import agg_loss, ppo_clip_loss
+from rlvr_lightning.algorithms.offpolicy_losses import mixed_policy_loss
+from rlvr_lightning.device.forward import completion_logprobs
 from rlvr_lightning.rollout.hf import HFEngine
+from rlvr_lightning.stages.offpolicy import replace_rows
+from rlvr_lightning.stages.update import PolicyUpdate
 from rlvr_lightning.testing import tiny_policy
 from rlvr_lightning.types import Sampling
-from rlvr_lightning.update import PolicyUpdate
 
 
 def _mixed_rollouts():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlvr_lightning.ops import (
+from rlvr_lightning.algorithms.ops import (
     entropy_from_logits,
     last_n_mean,
     logprobs_from_logits,

@@ -16,14 +16,15 @@ import torch
 from rlvr_lightning.callbacks import GroundTruthInjection, MixedPolicyGuidance
 
 from rlvr_lightning import RLVRModule
+from rlvr_lightning.algorithms.outcomes import informative_groups
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.data.curriculum import VarianceCurriculum
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.stats import observations
-from rlvr_lightning.offpolicy import mixed_advantages
-from rlvr_lightning.outcomes import informative_groups
 from rlvr_lightning.rewards import extract_boxed
-from rlvr_lightning.summary import summarise_step
+from rlvr_lightning.stages.offpolicy import mixed_advantages
+from rlvr_lightning.stages.summary import summarise_step
+from rlvr_lightning.testing import grouped
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored
 
 G = 4
@@ -40,7 +41,8 @@ def boxed_match(completions: list[str], answer: list[str], **_: object) -> list[
 @pytest.fixture(scope="module")
 def module() -> RLVRModule:
     return RLVRModule(
-        "tiny:0", reward_fns=[boxed_match], sampling=Sampling(max_new_tokens=4, group_size=G)
+        "tiny:0",
+        **grouped(reward_fns=[boxed_match], sampling=Sampling(max_new_tokens=4, group_size=G)),
     )
 
 
@@ -140,11 +142,11 @@ def test_an_all_wrong_group_with_varied_formats_is_not_informative(module):
     out = summarise_step(0, batch, scored, torch.zeros(12), {}, lr=0.0)
     assert out.metrics["uniform_outcome_frac"] == pytest.approx(1 / 3)
     assert out.metrics["zero_variance_frac"] == 0.0
-    dapo = RLVRModule("tiny:0", algorithm="dapo", reward_fns=[boxed_match])
+    dapo = RLVRModule("tiny:0", **grouped(algorithm="dapo", reward_fns=[boxed_match]))
     assert dapo.filter_zero_variance and dapo.informative == "accuracy"
     assert dapo.select_groups(batch, scored).tolist() == [True, True, False]
     by_reward = RLVRModule(
-        "tiny:0", algorithm="dapo", informative="reward", reward_fns=[boxed_match]
+        "tiny:0", **grouped(algorithm="dapo", informative="reward", reward_fns=[boxed_match])
     )
     assert by_reward.select_groups(batch, scored).tolist() == [True, True, True]
 

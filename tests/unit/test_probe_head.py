@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from rlvr_lightning import advantages
-from rlvr_lightning.correction import trainer_forward
-from rlvr_lightning.forward import completion_forward
+from rlvr_lightning.algorithms import advantages
+from rlvr_lightning.algorithms.ops import last_n_mean
+from rlvr_lightning.device import trainer_forward
+from rlvr_lightning.device.forward import completion_forward
+from rlvr_lightning.device.layer_states import layer_module
 from rlvr_lightning.heads import ProbeHead
 from rlvr_lightning.hub import save_heads
-from rlvr_lightning.layer_states import layer_module
-from rlvr_lightning.ops import last_n_mean
 from rlvr_lightning.rollout.hf import HFEngine
 from rlvr_lightning.testing import tiny_policy
 from rlvr_lightning.types import Sampling, Scored

@@ -3,14 +3,15 @@ import math
 import pytest
 import torch
 
-from rlvr_lightning.forward import completion_logprobs
+from rlvr_lightning.device import decode_head
+from rlvr_lightning.device.decode_head import head_by_blocks
+from rlvr_lightning.device.forward import completion_logprobs
 from rlvr_lightning.rollout import hf
 from rlvr_lightning.rollout.hf import (
     HFEngine,
     completion_mask,
     draw,
     draw_rows,
-    head_by_blocks,
     row_position_temperatures,
     sampling_scores,
 )
@@ -256,8 +257,8 @@ def test_fp32_decoding_uses_the_head_by_blocks_and_bf16_does_not(engine, monkeyp
     plain = engine.generate(ids, mask, greedy)  # the tiny vocabulary in one block
     calls = []
     monkeypatch.setattr(hf, "HEAD_BLOCK", 7)  # the tiny vocabulary in several blocks
-    original = hf.head_by_blocks
-    monkeypatch.setattr(hf, "head_by_blocks", lambda *a: calls.append(1) or original(*a))
+    original = decode_head.head_by_blocks
+    monkeypatch.setattr(decode_head, "head_by_blocks", lambda *a: calls.append(1) or original(*a))
     blocked = engine.generate(ids, mask, greedy)
     assert len(calls) == blocked.completion_ids.shape[1]  # every decoding step
     assert torch.equal(blocked.completion_ids, plain.completion_ids)

@@ -7,15 +7,15 @@ import functools
 import pytest
 import torch
 
-from rlvr_lightning.build import check_value_head
-from rlvr_lightning.correction import trainer_forward
-from rlvr_lightning.forward import completion_forward
+from rlvr_lightning.device import trainer_forward
+from rlvr_lightning.device.forward import completion_forward
 from rlvr_lightning.heads import ValueBatch, ValueHead
-from rlvr_lightning.lifecycle import plain_hparam
 from rlvr_lightning.rollout.hf import HFEngine
+from rlvr_lightning.stages.build import check_value_head
+from rlvr_lightning.stages.lifecycle import plain_hparam
+from rlvr_lightning.stages.update import PolicyUpdate
 from rlvr_lightning.testing import ppo_update, tiny_policy
 from rlvr_lightning.types import Sampling
-from rlvr_lightning.update import PolicyUpdate
 
 
 def _rollouts(seed: int = 0):

@@ -1,0 +1,247 @@
+"""``rlvr-lightning fit|validate|test|predict`` through LightningCLI, ``push`` (Hub upload) and
+``export`` (a checkpoint to a ``from_pretrained`` folder).
+
+Every Trainer gets ``checkpointing.AtomicCheckpointIO`` (unless another CheckpointIO plugin is
+configured) and a ``checkpointing.CheckpointGuard``. Exit codes: 0 done, 1 error, 2 bad
+arguments or config, 130 stopped by SIGINT, 143 stopped by SIGTERM (128 + signal number, after
+the on-exception checkpoints). Errors are summarised in a few lines (``cli_errors``);
+``RLVR_TRACEBACK=1`` shows the full traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from argparse import ArgumentError
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    Callback,
+    ModelCheckpoint,
+    ProgressBar,
+)
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torchmetrics import Metric
+
+from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
+from rlvr_lightning.cli import errors as cli_errors
+from rlvr_lightning.cli.overview import COMMANDS, TRAINER_COMMANDS, print_overview
+from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.module import RLVRModule
+from rlvr_lightning.runtime import checkpointing
+
+
+class RLVRCLI(LightningCLI):
+    """LightningCLI with an optional validation before and after ``fit``.
+
+    With ``evaluate_before_after: true`` (the quickstart sets it), ``fit`` first validates the
+    untrained policy, trains, validates again and prints both results side by side.
+    """
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--evaluate_before_after",
+            type=bool,
+            default=False,
+            help="fit only: validate before and after training and compare.",
+        )
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the hyperparameters of `--ckpt_path` first: say which file is
+        # broken (and which one is not) before its torch.load fails with a zip error.
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if path and path not in ("last", "best", "hpc", "registry"):
+            checkpointing.check_loadable(path)
+        super()._parse_ckpt_path()
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        config = {**config, "plugins": checkpointing.with_atomic_io(config.get("plugins"))}
+        callbacks = with_step_progress(config, checkpointing.with_guard(callbacks))
+        if self.subcommand == "predict":
+            callbacks = with_prediction_writer(config, callbacks)
+        return super()._instantiate_trainer(config, callbacks)
+
+    def _evaluate(self) -> dict[str, float]:
+        results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        reset_metric_states(self.model)
+        return {k: float(v) for k, v in (results[0] if results else {}).items()}
+
+    def fit(self, model: RLVRModule, **kwargs: Any) -> None:
+        # `ckpt_path: last` is meant to be set once and kept ("resume if there is one"); on the
+        # first run Lightning warns that there is none, so say it once, calmly, instead.
+        if kwargs.get("ckpt_path") == "last" and not _has_last_checkpoint(self.trainer):
+            rank_zero_info("ckpt_path=last: no checkpoint yet, training starts from step 0.")
+            kwargs["ckpt_path"] = None
+        self.trainer.fit(model, **kwargs)
+
+    def before_fit(self) -> None:
+        self._before = self._evaluate() if self._flag() else None
+
+    def after_fit(self) -> None:
+        if self._before is None or self.trainer.interrupted:
+            return
+        after = self._evaluate()
+        print("\nValidation before -> after training")
+        for key in sorted(set(self._before) | set(after)):
+            b, a = self._before.get(key, float("nan")), after.get(key, float("nan"))
+            print(f"  {key:<24} {b:8.4f} -> {a:8.4f}  ({a - b:+.4f})")
+
+    def _flag(self) -> bool:
+        return bool(self.config.get(self.subcommand, {}).get("evaluate_before_after", False))
+
+
+def with_step_progress(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` plus a ``StepProgressBar`` where Lightning would add its default bar (which
+    reads ``Epoch 0/-2`` under ``max_steps``): the bar is on and none is configured."""
+    given = config.get("callbacks") or []
+    configured = [*(given if isinstance(given, list) else [given]), *callbacks]
+    if config.get("enable_progress_bar") is False or any(
+        isinstance(cb, ProgressBar) for cb in configured
+    ):
+        return callbacks
+    return [*callbacks, StepProgressBar()]
+
+
+def with_prediction_writer(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` plus a ``PredictionWriter`` to ``<default_root_dir>/predictions.jsonl``
+    unless a prediction writer is configured: ``predict`` always leaves a file behind."""
+    given = config.get("callbacks") or []
+    configured = [*(given if isinstance(given, list) else [given]), *callbacks]
+    if any(isinstance(cb, (BasePredictionWriter, PredictionWriter)) for cb in configured):
+        return callbacks
+    root = config.get("default_root_dir") or os.getcwd()
+    return [*callbacks, PredictionWriter(os.path.join(root, "predictions.jsonl"))]
+
+
+def _has_last_checkpoint(trainer: Trainer) -> bool:
+    """Whether Lightning's ``ckpt_path="last"`` would find a file (its own lookup)."""
+    found: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            found |= callback._find_last_checkpoints(trainer)
+    return any(os.path.exists(path) for path in found)
+
+
+def reset_metric_states(module: Module) -> None:
+    """Re-create every torchmetrics state of ``module`` as a normal tensor.
+
+    ``trainer.validate`` runs under ``torch.inference_mode``, so the metric states it leaves
+    behind are inference tensors; a validation inside ``fit`` (``val_check_interval``) runs
+    under ``no_grad`` and cannot update them in place. ``reset`` outside inference mode clones
+    the defaults again.
+    """
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.reset()
+
+
+_EPILOG = "Other commands: push, export (`rlvr-lightning --help` describes every command)."
+
+
+def build_cli(
+    args: list[str] | None = None, run: bool = True, exit_on_error: bool = True
+) -> RLVRCLI:
+    """Parse ``args`` (default: ``sys.argv``) and run the subcommand; returns the CLI object.
+
+    ``exit_on_error=False`` raises parse errors (``argparse.ArgumentError``) instead of printing
+    the usage and exiting, so ``main`` can report them in its own format.
+    """
+    parser_kwargs: dict[str, Any] = {
+        s: {"exit_on_error": exit_on_error, "description": COMMANDS[s]} for s in TRAINER_COMMANDS
+    }
+    return RLVRCLI(
+        RLVRModule,
+        RLVRDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": exit_on_error, "epilog": _EPILOG, **parser_kwargs},
+        # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
+        # --optimizer/--lr_scheduler would replace it and ignore model.lr, warmup_steps, lr_decay.
+        auto_configure_optimizers=False,
+    )
+
+
+def _import_from_cwd() -> None:
+    # `python -m rlvr_lightning.cli.main` puts the working directory first on sys.path; the console
+    # script puts its bin folder there instead. Do what `python -m` does, so a config's
+    # `reward_fns: [my_rewards.fn]` imports `my_rewards.py` from the folder the user runs in.
+    cwd = os.getcwd()
+    if not any(p in ("", cwd) for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _dispatch(argv: list[str], from_sys_argv: bool) -> None:
+    if argv[:1] == ["push"]:  # not Trainer subcommands: handled before LightningCLI parses
+        from rlvr_lightning.cli.push import push_command
+
+        push_command(argv[1:])
+    elif argv[:1] == ["export"]:
+        from rlvr_lightning.cli.push import export_command
+
+        export_command(argv[1:])
+    else:
+        build_cli(None if from_sys_argv else argv, exit_on_error=False)
+
+
+def _drop_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def silence_library_noise() -> None:
+    """Mute what the libraries print on every normal run and the user can do nothing about:
+    Lightning's advert for its cloud logger (logged at INFO each time loggers are set up),
+    the FutureWarning Lightning's ``CombinedLoader`` triggers in torch >= 2.13's pytree
+    (``isinstance(treespec, LeafSpec)``), and ModelCheckpoint's 20-line example about saving
+    pre-optimisation state under manual optimisation (this module checkpoints at step
+    boundaries, after the optimiser step, on purpose), and the model summary's note that it
+    cannot size parameters under ``bf16-mixed`` (they are fp32 master weights; the size it
+    prints is right). Idempotent."""
+    tip_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _drop_tip not in tip_logger.filters:
+        tip_logger.addFilter(_drop_tip)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+    )
+    warnings.filterwarnings(
+        "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps"
+    )
+    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary")
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``rlvr-lightning`` command; ``args`` makes it callable from tests
+    (which then leave ``sys.path`` alone: only the command line imports from the cwd)."""
+    if args is None:
+        _import_from_cwd()
+    argv = sys.argv[1:] if args is None else list(args)
+    if print_overview(argv):
+        raise SystemExit(0 if argv else 2)
+    silence_library_noise()
+    try:
+        _dispatch(argv, from_sys_argv=args is None)
+    except SIGTERMException as stop:  # Lightning's own SIGTERM stop exits 0 otherwise
+        raise SystemExit(143) from stop
+    except Exception as err:
+        if cli_errors.traceback_requested():
+            raise
+        named = [a for a in argv if a in tuple(COMMANDS)]
+        command = " ".join(["rlvr-lightning", *named[:1]])
+        print(cli_errors.summary(err, command), file=sys.stderr)
+        raise SystemExit(2 if isinstance(err, ArgumentError) else 1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The argument groups of ``RLVRModule``: typed dataclasses, one per concern.
+
+LightningCLI turns each into a YAML block (``model.init_args.loss.kl_coef``) and a section of
+``--help``. A group also arrives as a plain dict (a checkpoint's hyperparameters) and becomes the
+dataclass again (:func:`as_group`). Keys that stood at the top level before the groups existed
+(``kl_coef``) are listed in :data:`MOVED`, so the CLI names their new place in one line and old
+checkpoints load (:func:`regroup`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from rlvr_lightning.algorithms.losses import AggMode
+from rlvr_lightning.algorithms.outcomes import InformativeBy
+
+
+@dataclass(frozen=True)
+class Rewards:
+    """Reward functions and what counts as correct.
+
+    Args:
+        functions: reward functions ``fn(completions, **columns) -> list[float | None]``
+            (TRL's contract); by default ``boxed_accuracy`` and ``boxed_format``. Besides the
+            dataset's columns they may name ``prompts``, ``completion_ids`` and
+            ``completion_length``; ``async def`` functions are awaited.
+        weights: one weight per reward function (default: all 1).
+        timeout_s: seconds a reward function may run before its rows score 0.
+        isolate: which reward functions run in worker processes that are killed and replaced on
+            timeout: None = those marked ``@rewards.run_in_process`` (the built-in
+            ``boxed_accuracy`` and ``answer_accuracy``), true / false = all / none, or a list of
+            reward names. The others run in a thread, abandoned on timeout.
+        nan_policy: a NaN or infinite reward stops training with an error naming the function
+            (``error``) or scores 0.0 and counts in ``reward/<name>/failures`` (``fail``).
+            ``None`` always means "not applicable".
+        accuracy_reward: name of the reward that defines "correct" (default: the first).
+        accuracy_threshold: a row is correct when that reward is >= this value.
+    """
+
+    functions: Sequence[Callable] | None = None
+    weights: Sequence[float] | None = None
+    timeout_s: float = 30.0
+    isolate: bool | list[str] | None = None
+    nan_policy: Literal["error", "fail"] = "error"
+    accuracy_reward: str | None = None
+    accuracy_threshold: float = 1.0
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The per-token policy loss and its regularisers; None = the algorithm preset's value.
+
+    Args:
+        fn: a custom per-token policy loss (import path in YAML) with the signature of
+            ``algorithms.losses.PolicyLossFn``; overrides the preset's loss.
+        agg_mode: loss aggregation (see ``algorithms.losses.agg_loss``).
+        clip_low: lower clip range.
+        clip_high: upper clip range.
+        dual_clip: dual-clip constant for negative advantages (None = off).
+        kl_coef: weight of the KL-to-reference term; 0 skips the reference model.
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (spec §8.6).
+        entropy_coef: weight of an entropy bonus.
+    """
+
+    fn: Callable | None = None
+    agg_mode: AggMode | None = None
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which groups train: the data-strategy switches of a step.
+
+    Args:
+        filter_zero_variance: drop uninformative groups from the update; None = the preset's
+            (on for ``dapo``).
+        informative: what must vary within a group (as trained, injected members included) for
+            it to be informative: ``accuracy`` (some but not all rows correct, spec §8.2) or the
+            total ``reward``; None = the preset's (``accuracy`` for every preset).
+        dynamic_sampling: DAPO dynamic sampling: extra rounds of prompts until the step has as
+            many informative groups as prompts (``stages.dynamic``); implies filtering.
+        max_gen_rounds: extra generation rounds dynamic sampling may run per step.
+    """
+
+    filter_zero_variance: bool | None = None
+    informative: InformativeBy | None = None
+    dynamic_sampling: bool = False
+    max_gen_rounds: int = 3
+
+
+@dataclass(frozen=True)
+class Update:
+    """How a rollout batch becomes optimiser steps, and what bounds its memory.
+
+    Args:
+        epochs_per_rollout: optimisation passes over each rollout batch.
+        minibatches_per_rollout: optimiser steps per pass (each over a share of the rows).
+        micro_batch_size: rows per forward/backward; bounds memory, not the maths.
+        chunked_head: log-probs from the LM head's input ``head_chunk_tokens`` tokens at a time
+            (forward and backward), so a micro-batch's ``[rows, tokens, vocab]`` logits never
+            exist; the same maths. Models whose head is not a plain ``nn.Linear`` or that
+            post-process logits keep their own head. False: the model's full logits.
+        head_chunk_tokens: tokens per chunk of the chunked LM head.
+        trim_heap: return the C heap's free pages to the OS around each micro-batch's backward
+            (lower peak memory, some more update time); None = on the CPU. With one
+            micro-batch a step there is nothing to trim between: false is faster.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up in optimiser steps, then ``lr_decay``.
+        lr_decay: after the warm-up, ``none`` keeps the lr; ``linear`` and ``cosine`` bring it
+            to ``min_lr_ratio * lr`` at ``trainer.max_steps`` optimiser steps (then required).
+        min_lr_ratio: the decay's floor, as a share of ``lr``.
+        grad_clip: max gradient norm (None = no clipping).
+        max_nonfinite_steps: consecutive skipped non-finite updates before training stops.
+        max_steps_without_update: consecutive rollout steps without an optimiser step (every
+            group filtered out) before training stops with an error; None never stops. 50 is
+            this project's choice.
+    """
+
+    epochs_per_rollout: int = 1
+    minibatches_per_rollout: int = 1
+    micro_batch_size: int = 8
+    chunked_head: bool = True
+    head_chunk_tokens: int = 1024
+    trim_heap: bool | None = None
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_decay: Literal["none", "linear", "cosine"] = "none"
+    min_lr_ratio: float = 0.0
+    grad_clip: float | None = 1.0
+    max_nonfinite_steps: int = 3
+    max_steps_without_update: int | None = 50
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """LoRA adapters (peft).
+
+    Args:
+        rank: LoRA rank; 0 trains all parameters.
+        alpha: LoRA alpha.
+        target_modules: modules LoRA wraps (peft names or ``all-linear``).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    target_modules: list[str] | str = "all-linear"
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Where ``π_old`` comes from and how sampler/trainer mismatch is weighted.
+
+    Args:
+        old_logprobs: ``engine`` (the behaviour log-probs recorded while sampling), ``trainer``
+            (a no-grad forward in the update's precision; the behaviour log-probs then only
+            weight the loss) or ``auto`` (``trainer`` when the engine holds its own weights, or
+            when sampled tokens were drawn at a temperature other than
+            ``sampling.temperature``; else ``engine``). See ``algorithms.correction``.
+        mode: tokens sampled by a different distribution: ``tis``
+            (``min(π_old/π_behaviour, cap)``), ``mask`` (drop tokens whose ratio leaves
+            ``[1/cap, cap]``) or ``none``.
+        cap: the cap ``C`` (2.0, the value the EAD paper's draft and Yao et al. use).
+        level: ratio per ``token`` or per ``sequence`` (product over the row's tokens).
+    """
+
+    old_logprobs: Literal["auto", "engine", "trainer"] = "auto"
+    mode: Literal["tis", "mask", "none"] = "tis"
+    cap: float = 2.0
+    level: Literal["token", "sequence"] = "token"
+
+
+@dataclass(frozen=True)
+class OffPolicy:
+    """Injected (off-policy) group members: their loss and baseline.
+
+    Args:
+        weighting: loss weighting of injected tokens (``algorithms.losses
+            .offpolicy_token_loss``): ``shaping`` (LUFFY/ExGRPO ``f(w) = w/(w+gamma)``),
+            ``mis`` (RL-PLUS) or ``on_policy`` (ratio 1, an advantage-weighted SFT term).
+        gamma: ``gamma`` of the shaping (0.1 in LUFFY and ExGRPO).
+        exploration: RL-PLUS exponent of ``(1 - pi)`` on off-policy advantages.
+        baseline: group baseline with off-policy members: ``mixed`` (all members, LUFFY's
+            script) or ``on_policy`` (on-policy members only).
+    """
+
+    weighting: Literal["shaping", "mis", "on_policy"] = "shaping"
+    gamma: float = 0.1
+    exploration: float = 0.5
+    baseline: Literal["mixed", "on_policy"] = "mixed"
+
+
+@dataclass(frozen=True)
+class Options:
+    """All groups together, as the module keeps them (``RLVRModule.options``)."""
+
+    @classmethod
+    def of(cls, **groups: Any) -> Options:
+        """The groups given as dataclasses or dicts (a checkpoint's hyperparameters)."""
+        return cls(**{name: as_group(GROUPS[name], value) for name, value in groups.items()})
+
+    rewards: Rewards = Rewards()
+    loss: Loss = Loss()
+    selection: Selection = Selection()
+    update: Update = Update()
+    lora: LoRA = LoRA()
+    correction: Correction = Correction()
+    offpolicy: OffPolicy = OffPolicy()
+
+
+GROUPS: dict[str, type] = {
+    f.name: Options.__dataclass_fields__[f.name].default.__class__
+    for f in dataclasses.fields(Options)
+}
+
+# The keys of the ungrouped signature whose name changed with their group.
+_RENAMED = {
+    "reward_fns": "rewards.functions", "reward_weights": "rewards.weights",
+    "reward_timeout_s": "rewards.timeout_s", "reward_isolate": "rewards.isolate",
+    "reward_nan_policy": "rewards.nan_policy", "loss_fn": "loss.fn",
+    "lora_rank": "lora.rank", "lora_alpha": "lora.alpha",
+    "lora_target_modules": "lora.target_modules", "rollout_correction": "correction.mode",
+    "rollout_correction_cap": "correction.cap", "rollout_correction_level": "correction.level",
+    "offpolicy_weighting": "offpolicy.weighting", "offpolicy_gamma": "offpolicy.gamma",
+    "offpolicy_exploration": "offpolicy.exploration", "offpolicy_baseline": "offpolicy.baseline",
+}  # fmt: skip
+_KEPT_NAMES = ("rewards", "loss", "selection", "update", "correction")
+# Every key that stood at the top level of ``RLVRModule`` before the groups -> group.field.
+MOVED: dict[str, str] = {
+    **{
+        f.name: f"{group}.{f.name}"
+        for group in _KEPT_NAMES
+        for f in dataclasses.fields(GROUPS[group])
+        if f"{group}.{f.name}" not in _RENAMED.values()
+    },
+    **_RENAMED,
+}
+
+G = TypeVar("G")
+
+
+def as_group(cls: type[G], value: G | Mapping[str, Any] | None) -> G:
+    """``value`` as a ``cls`` instance: a dict (a checkpoint's hyperparameters) is converted,
+    None gives the defaults."""
+    if value is None:
+        return cls()
+    if isinstance(value, Mapping):
+        return cls(**value)
+    return value
+
+
+def regroup(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """Hyperparameters with the pre-group top-level keys (:data:`MOVED`) moved into their
+    groups, so checkpoints written before the groups existed load with their settings."""
+    out: dict[str, Any] = {k: v for k, v in hparams.items() if k not in MOVED}
+    for old, new in MOVED.items():
+        if old in hparams:
+            group, field = new.split(".")
+            current = out.get(group)
+            out[group] = {
+                **(dict(current) if isinstance(current, Mapping) else {}),
+                field: hparams[old],
+            }
+    return out
+
+
+def moved_message(key: str) -> str | None:
+    """The one-line fix for a pre-group key, or None when ``key`` did not move."""
+    new = MOVED.get(key)
+    if new is None:
+        return None
+    return (
+        f"`model.init_args.{key}` moved: write `model.init_args.{new}` "
+        f"(YAML: `{new.split('.')[0]}: {{{new.split('.')[1]}: ...}}` under init_args)."
+    )

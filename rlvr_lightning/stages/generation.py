@@ -1,0 +1,90 @@
+"""Generation stage of ``RLVRModule``: the engine, prompt encoding and ``rollout``.
+
+A mixin, so ``module.py`` keeps the step's orchestration; it reads the module's attributes
+(``policy``, ``tokenizer``, ``sampling``, ``hparams``, ``_engine``, ``_engine_synced_at``).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+
+from rlvr_lightning.data.sources import plain_text
+from rlvr_lightning.device import weights_cast_once
+from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
+from rlvr_lightning.rollout.factory import build_engine, engine_dtype
+from rlvr_lightning.types import PromptBatch, Rollouts, Sampling
+
+
+class GenerationStage(pl.LightningModule):
+    """The rollout engine of ``RLVRModule`` and the ``rollout`` stage."""
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine, built on first use so that its dtype can follow the trainer's
+        precision (the trainer is attached by then in ``fit``/``validate``)."""
+        if self._engine is None:
+            h = self.hparams
+            precision = str(self._trainer.precision) if self._trainer is not None else None
+            self._engine = build_engine(
+                h.engine,
+                h.policy,
+                self.policy,
+                self.tokenizer,
+                engine_dtype(h.dtype, precision),
+                h.engine_kwargs,
+            )
+        return self._engine
+
+    def encode_prompts(self, batch: PromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Render each prompt and left-pad: ``([B, P] ids, [B, P] mask)``.
+
+        ``prompt_format`` ``chat`` applies the chat template; ``plain`` joins the messages'
+        contents by blank lines, roles dropped; ``auto`` is ``chat`` when the tokenizer has a
+        template. No special tokens are added in either case (the template carries its own;
+        TRL encodes plain prompts the same way).
+        """
+        fmt = self.hparams.get("prompt_format", "auto")
+        if fmt == "auto":
+            fmt = "chat" if getattr(self.tokenizer, "chat_template", None) else "plain"
+        texts = [
+            plain_text(m)
+            if fmt == "plain"
+            else self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+            for m in batch.messages
+        ]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+
+    def rollout(
+        self,
+        batch: PromptBatch,
+        sampling: Sampling | None = None,
+        temperatures: torch.Tensor | None = None,
+    ) -> Rollouts:
+        """Generate ``G`` completions per prompt (``temperatures``: optional ``[B * G]``;
+        by default the batch's per-prompt ``temperatures`` when sampling is not greedy; the
+        batch's ``position_temperatures`` go to the engine as they are)."""
+        sampling = sampling or self.sampling
+        if temperatures is None and batch.temperatures is not None and sampling.temperature > 0:
+            per_prompt = [sampling.temperature if t is None else t for t in batch.temperatures]
+            temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
+        ids, mask = self.encode_prompts(batch)
+        self.sync_engine()
+        with weights_cast_once(self.device.type):  # the weights are fixed while it decodes
+            return self.engine.generate(
+                ids,
+                mask,
+                sampling,
+                temperatures,
+                position_temperatures=batch.position_temperatures,
+            )
+
+    def sync_engine(self) -> None:
+        """Load the policy's weights into an engine that holds its own copy (vLLM), once per
+        optimiser step; engines sharing the policy (HF) need nothing."""
+        if self.engine.shares_policy or self._engine_synced_at == self.global_step:
+            return
+        with policy_weights(self.policy) as named:
+            self.engine.load_weights(named)
+        self._engine_synced_at = self.global_step
