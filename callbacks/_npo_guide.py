@@ -132,7 +132,7 @@ def score_candidates(
         guide.carry(module, weights)
         q = v = 0.0
         if len(batch):
-            rollouts, correct = guide.sample(module, batch)
+            rollouts, correct = guide.sample(module, batch)  # correct: [B * samples]
             q = npo.signal_quality(correct.view(len(batch), -1).any(1).tolist())
             v = npo.logratio_variance(
                 policy_logp(module, rollouts), rollouts.behaviour_logp, rollouts.completion_mask
@@ -158,11 +158,11 @@ def guide_members(
     each, in slots chosen by ``composition``) and how many of those groups the guide solved."""
     if not guided:
         return [], 0
-    rollouts, correct = guide.sample(module, prompt_rows(groups.batch, guided))
-    rollouts, logp = _behaviour(module, rollouts, importance_correction)
-    n, g = guide.samples, groups.size
+    n, g = guide.samples, groups.size  # rows i * n .. i * n + n - 1: guided group i's samples
+    rollouts, correct = guide.sample(module, prompt_rows(groups.batch, guided))  # [len(guided)*n]
+    rollouts, logp = _behaviour(module, rollouts, importance_correction)  # [len(guided) * n, T]
     members, solved = [], 0
-    lengths = rollouts.completion_mask.sum(-1).tolist()
+    lengths = rollouts.completion_mask.sum(-1).tolist()  # [len(guided) * n]
     for i, b in enumerate(guided):
         rows = [i * n + j for j in range(n) if bool(correct[i * n + j])][:num_injected]
         if not rows:
