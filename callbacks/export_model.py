@@ -146,12 +146,17 @@ class ExportModel(RLVRCallback):
     def on_card_updated(self, trainer: pl.Trainer, path: Path) -> None:
         """Called after a validation that follows ``fit`` re-rendered the card."""
 
+    def on_final_export(self, trainer: pl.Trainer, path: Path) -> None:
+        """Called on global rank zero after the export at the end of ``fit`` (an uninterrupted
+        one) was written to ``path`` and announced."""
+
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.interrupted or not trainer.is_global_zero:
             return
         path = self.export(trainer, pl_module)
         self.announce(path)
+        self.on_final_export(trainer, path)
 
     # ---- resume --------------------------------------------------------------------------
 

@@ -28,57 +28,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from rlvr_lightning.callbacks._guidance import GuidanceCallback, check_columns, reference_text
 from typing_extensions import override
 
 from rlvr_lightning.algorithms import advantages as adv_lib
-from rlvr_lightning.algorithms.outcomes import pass_rates, sampled_rows
+from rlvr_lightning.algorithms.outcomes import pass_rates
 from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.rewards.math import extract_boxed
-from rlvr_lightning.stages.hooks import RLVRCallback
-from rlvr_lightning.stages.offpolicy import (
-    Composition,
-    Member,
-    guidance_slots,
-    inject,
-    on_policy_rows,
-    scored_batch,
-)
+from rlvr_lightning.stages.offpolicy import Composition, Member, guidance_slots, inject
 from rlvr_lightning.types import PromptBatch, Scored
 
 SOURCE = "reference"
 
 
-def align_reference(solution: str | None, answer: Any, answer_template: str) -> str | None:
-    r"""The reference in the rewards' format: a solution that has no ``\boxed{}`` gets the
-    rendered ``answer_template`` appended; without a solution, the template alone.
-
-    >>> align_reference("2 + 3 = 5.", 5, r"The answer is \boxed{{{answer}}}.")
-    '2 + 3 = 5.\n\nThe answer is \\boxed{5}.'
-    >>> align_reference(r"So \boxed{5}.", 5, r"\boxed{{{answer}}}")
-    'So \\boxed{5}.'
-    """
-    solution = (solution or "").strip()
-    if solution and extract_boxed(solution) is not None:
-        return solution
-    if answer is None:
-        return solution or None
-    rendered = answer_template.format(answer=str(answer).strip())
-    return f"{solution}\n\n{rendered}" if solution else rendered
-
-
-def reference_text(
-    solution: str | None, answer: Any, template_alignment: bool, answer_template: str
-) -> str | None:
-    """The text to inject: aligned (strategy a) or the raw solution, falling back to the answer."""
-    if template_alignment:
-        return align_reference(solution, answer, answer_template)
-    if solution:
-        return solution
-    return None if answer is None else str(answer)
-
-
-class GroundTruthInjection(RLVRCallback):
+class GroundTruthInjection(GuidanceCallback):
     """Inject the reference solution into groups, with ViSurf-style reward control.
 
     Args:
@@ -123,15 +86,12 @@ class GroundTruthInjection(RLVRCallback):
         self.advantage_cap, self.composition = advantage_cap, composition
         self.rng = random.Random(seed)
         self.injected_total = 0
-        self._batch: PromptBatch | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not isinstance(pl_module, RLVRModule):
-            raise TypeError("GroundTruthInjection works with RLVRModule (or a subclass).")
-        g = pl_module.sampling.group_size
+        g = self.check_module(pl_module).sampling.group_size
         if self.reward_capping and g < 3:
             raise ValueError(
                 f"GroundTruthInjection with reward_capping needs sampling.group_size >= 3 (the "
@@ -146,18 +106,10 @@ class GroundTruthInjection(RLVRCallback):
         check_columns(trainer, [self.solution_column, self.answer_column], "GroundTruthInjection")
 
     @override
-    def on_before_rollout(
-        self, trainer: pl.Trainer, module: RLVRModule, batch: PromptBatch
-    ) -> PromptBatch | None:
-        self._batch = batch
-        return None
-
-    @override
     def on_after_score(self, trainer: pl.Trainer, module: RLVRModule, scored: Scored) -> Scored:
-        batch, g = scored_batch(module, self._batch, scored), scored.rollouts.group_size
-        correct = scored.correct.view(-1, g).cpu()  # [B, G]
-        on = on_policy_rows(scored.rollouts).view(-1, g).cpu()  # [B, G]
-        pass_rate = pass_rates(sampled_rows(scored)[0], g)  # [B]
+        groups = self.groups(module, scored)
+        batch, g = groups.batch, groups.size
+        pass_rate = pass_rates(groups.sampled, g)  # [B]
         members = []
         for b in range(len(batch)):
             if self.max_pass_rate is not None and float(pass_rate[b]) > self.max_pass_rate + 1e-9:
@@ -169,7 +121,11 @@ class GroundTruthInjection(RLVRCallback):
                 self.answer_template,
             )
             slots = guidance_slots(
-                correct[b].tolist(), on[b].tolist(), 1, self.composition, self.rng
+                groups.correct[b].tolist(),
+                groups.on_policy[b].tolist(),
+                1,
+                self.composition,
+                self.rng,
             )
             if text is not None and slots:
                 members.append(Member(row=b * g + slots[0], source=SOURCE, text=text))
@@ -222,17 +178,3 @@ class GroundTruthInjection(RLVRCallback):
         self.injected_total = int(state_dict["injected_total"])
         if "rng" in state_dict:
             set_rng_state(self.rng, state_dict["rng"])
-
-
-def check_columns(trainer: pl.Trainer, names: list[str], who: str) -> None:
-    """Raise when the data module's training examples have none of the columns ``names``."""
-    examples = getattr(getattr(trainer, "datamodule", None), "train_examples", None)
-    if not examples:
-        return
-    columns = set(examples[0].columns)
-    if not columns & set(names):
-        raise ValueError(
-            f"{who} needs a training column among {names}, but the data has {sorted(columns)}. "
-            "Map one with data.columns (e.g. {prompt: question, answer: answer, solution: "
-            "solution}) or set the callback's column arguments."
-        )

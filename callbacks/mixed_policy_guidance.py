@@ -31,27 +31,27 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from rlvr_lightning.callbacks.ground_truth_injection import check_columns, reference_text
+from rlvr_lightning.callbacks._guidance import (
+    GuidanceCallback,
+    check_columns,
+    join_batches,
+    pooled_batch,
+    pooled_prompt,
+    reference_text,
+)
+from rlvr_lightning.callbacks._policy_scores import comprehension, lowest_entropy
 from typing_extensions import override
 
-from rlvr_lightning.algorithms.ops import masked_mean
-from rlvr_lightning.algorithms.outcomes import sampled_rows
 from rlvr_lightning.data.stream import rng_state, set_rng_state
-from rlvr_lightning.device import completion_logprobs
 from rlvr_lightning.guidance.experience import ExperiencePool, Trajectory
 from rlvr_lightning.guidance.teacher import TeacherModel
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.rewards.math import extract_boxed
-from rlvr_lightning.stages.hooks import RLVRCallback
 from rlvr_lightning.stages.offpolicy import (
     Composition,
     Member,
-    encode,
     guidance_slots,
     inject,
-    on_policy_rows,
     prompt_rows,
-    scored_batch,
 )
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
 
@@ -59,17 +59,7 @@ Source = Literal["reference", "teacher", "experience"]
 Injection = Literal["always", "on_all_fail", "delayed"]
 
 
-def answer_prefix(response: str) -> str:
-    r"""The response up to the content of its last ``\boxed{``, or the response followed by
-    ``\boxed{`` when it has none: the context in which the ground-truth answer is scored."""
-    content = extract_boxed(response)
-    if content is None:
-        return f"{response.rstrip()} \\boxed{{"
-    start = response.rfind(content + "}")
-    return response[:start]
-
-
-class MixedPolicyGuidance(RLVRCallback):
+class MixedPolicyGuidance(GuidanceCallback):
     """Replace samples with off-policy guidance: a reference, teacher responses or experience.
 
     Args:
@@ -145,7 +135,6 @@ class MixedPolicyGuidance(RLVRCallback):
         self.pool: ExperiencePool | None = None
         self.active = injection != "delayed"
         self.steps = 0
-        self._batch: PromptBatch | None = None
         self._replayed: list[int] = []  # batch rows holding pooled questions this step
 
     # ---- setup and state -------------------------------------------------------------------
@@ -154,9 +143,7 @@ class MixedPolicyGuidance(RLVRCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not isinstance(pl_module, RLVRModule):
-            raise TypeError("MixedPolicyGuidance works with RLVRModule (or a subclass).")
-        g = pl_module.sampling.group_size
+        g = self.check_module(pl_module).sampling.group_size
         if g - self.num_replaced < 2:
             raise ValueError(
                 f"MixedPolicyGuidance replaces {self.num_replaced} of G={g} samples, leaving "
@@ -222,24 +209,13 @@ class MixedPolicyGuidance(RLVRCallback):
         keep = len(batch) - len(picked)
         self._replayed = list(range(keep, len(batch)))
         prompts = [self.pool.prompt(pid) for pid in picked]
-        names = list(dict.fromkeys([*batch.columns, *(k for p in prompts for k in p["columns"])]))
-        columns = {
-            k: [*batch.columns.get(k, [None] * len(batch))[:keep]]
-            + [p["columns"].get(k) for p in prompts]
-            for k in names
-        }
-        return PromptBatch(
-            prompt_ids=[*batch.prompt_ids[:keep], *picked],
-            messages=[*batch.messages[:keep], *(p["messages"] for p in prompts)],
-            columns=columns,
-        )
+        return join_batches(prompt_rows(batch, range(keep)), pooled_batch(picked, prompts))
 
     @override
     def on_after_score(self, trainer: pl.Trainer, module: RLVRModule, scored: Scored) -> Scored:
-        batch, g = scored_batch(module, self._batch, scored), scored.rollouts.group_size
-        correct = scored.correct.view(-1, g).cpu()  # [B, G]
-        on = on_policy_rows(scored.rollouts).view(-1, g).cpu()  # [B, G]
-        sampled = sampled_rows(scored)[0].view(-1, g).cpu()  # [B, G] the policy's outcome
+        groups = self.groups(module, scored)
+        batch, g, correct, on = groups.batch, groups.size, groups.correct, groups.on_policy
+        sampled = groups.sampled  # [B, G] the policy's outcome
         solved = sampled.sum(1)  # [B]
         rollouts = scored.rollouts
         solve_rate = float(sampled.float().mean())
@@ -304,7 +280,7 @@ class MixedPolicyGuidance(RLVRCallback):
             trajs = self.pool.trajectories(batch.prompt_ids[b])
             if not trajs:
                 return []
-            best = trajs[self._lowest_entropy(module, rollouts, rows[0], trajs)]
+            best = trajs[lowest_entropy(module, rollouts, rows[0], trajs)]
             return [
                 Member(
                     row=rows[0],
@@ -342,61 +318,9 @@ class MixedPolicyGuidance(RLVRCallback):
         )
         responses = [responses] if isinstance(responses, str) else list(responses or [])
         if self.teacher_selection == "comprehension" and len(responses) > 1 and answer is not None:
-            scores = self._comprehension(module, rollouts, row, responses, str(answer))
+            scores = comprehension(module, rollouts, row, responses, str(answer))
             responses = [responses[i] for i in torch.argsort(scores, descending=True).tolist()]
         return responses[: self.num_replaced]
-
-    # ---- scoring candidates under the current policy -------------------------------------------
-
-    @staticmethod
-    def _policy_pass(
-        module: RLVRModule, rollouts: Rollouts, row: int, seqs: list[list[int]], temps: list[float]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probs, entropies and mask ``[c, T]`` of completions ``seqs`` of ``row``'s prompt."""
-        device = rollouts.completion_ids.device
-        width = max(len(s) for s in seqs)
-        pad = module.tokenizer.pad_token_id
-        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)  # [c, T]
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-        c = len(seqs)
-        with torch.no_grad():
-            logp, entropy = completion_logprobs(
-                module.policy,
-                rollouts.prompt_ids[row].expand(c, -1),
-                rollouts.prompt_mask[row].expand(c, -1),
-                ids,
-                mask,
-                torch.tensor(temps, device=device, dtype=torch.float32),
-                with_entropy=True,
-                head_chunk_tokens=module.updater.head_chunk_tokens,
-            )
-        return logp, entropy, mask
-
-    def _lowest_entropy(
-        self, module: RLVRModule, rollouts: Rollouts, row: int, trajs: list[Trajectory]
-    ) -> int:
-        """ExGRPO's selection: the trajectory with the lowest mean token entropy now."""
-        if len(trajs) == 1:
-            return 0
-        _, entropy, mask = self._policy_pass(
-            module, rollouts, row, [t.token_ids for t in trajs], [t.temperature for t in trajs]
-        )
-        return int(masked_mean(entropy, mask, dim=-1).argmin())
-
-    def _comprehension(
-        self, module: RLVRModule, rollouts: Rollouts, row: int, responses: list[str], answer: str
-    ) -> torch.Tensor:
-        """AMPO's score ``[c]``: mean probability of the ground-truth answer's tokens after each
-        teacher's reasoning (its own final answer replaced by the ground truth)."""
-        tok = module.tokenizer
-        answer_ids = tok(answer, add_special_tokens=False).input_ids
-        prefixes = [encode(tok, answer_prefix(r), tok.eos_token_id)[:-1] for r in responses]
-        seqs = [p + answer_ids for p in prefixes]
-        logp, _, _ = self._policy_pass(module, rollouts, row, seqs, [1.0] * len(seqs))
-        scores = [
-            logp[i, len(p) : len(p) + len(answer_ids)].exp().mean() for i, p in enumerate(prefixes)
-        ]
-        return torch.stack(scores).cpu()
 
     # ---- experience collection -------------------------------------------------------------
 
@@ -423,6 +347,4 @@ class MixedPolicyGuidance(RLVRCallback):
                             text=rollouts.completions[row],
                         )
                     )
-            prompt = {"messages": batch.messages[b], "columns": prompt_rows(batch, [b]).columns}
-            prompt["columns"] = {k: v[0] for k, v in prompt["columns"].items()}
-            self.pool.record(pid, prompt, int(solved[b]), g, trajs)
+            self.pool.record(pid, pooled_prompt(batch, b), int(solved[b]), g, trajs)

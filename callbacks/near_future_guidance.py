@@ -36,42 +36,53 @@ Trigger thresholds, the ``Δ`` grid, pool size and window are this project's cho
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
+from rlvr_lightning.callbacks._guidance import (
+    GuidanceCallback,
+    pooled_batch,
+    pooled_prompt,
+)
+from rlvr_lightning.callbacks._npo_guide import (
+    NearFutureGuide,
+    Weights,
+    guide_members,
+    look_ahead,
+    score_candidates,
+)
 from typing_extensions import override
 
-from rlvr_lightning import models
 from rlvr_lightning.algorithms import npo
-from rlvr_lightning.algorithms.outcomes import sampled_rows
 from rlvr_lightning.data.stream import rng_state, set_rng_state
-from rlvr_lightning.device import trainer_forward
-from rlvr_lightning.guidance import lookahead
-from rlvr_lightning.guidance.guide import load_guide
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.rollout.hf import HFEngine
 from rlvr_lightning.runtime import ranks
-from rlvr_lightning.stages.hooks import RLVRCallback
-from rlvr_lightning.stages.offpolicy import (
-    Composition,
-    Member,
-    guidance_slots,
-    inject,
-    on_policy_rows,
-    prompt_rows,
-    scored_batch,
-)
-from rlvr_lightning.types import PromptBatch, Rollouts, Scored, StepOutput
+from rlvr_lightning.stages.offpolicy import Composition, inject
+from rlvr_lightning.types import Scored, StepOutput
 
-SOURCE = "npo"
 Mode = Literal["manual", "lookahead", "auto"]
 
 
-class NearFuturePolicyGuidance(RLVRCallback):
+def _check_arguments(
+    mode: Mode, guide_checkpoint: str | None, intervene_at: list[int] | None
+) -> None:
+    if mode not in ("manual", "lookahead", "auto"):
+        raise ValueError(f"mode must be 'manual', 'lookahead' or 'auto', got {mode!r}.")
+    if mode == "manual" and guide_checkpoint is None:
+        raise ValueError("mode manual needs guide_checkpoint (a .ckpt or a model folder).")
+    if mode != "auto" and not intervene_at:
+        raise ValueError(f"mode {mode} needs intervene_at: the rollout steps to guide from.")
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
+
+
+class NearFuturePolicyGuidance(GuidanceCallback):
     """Guide failing prompts with verified trajectories of a near-future policy (NPO).
 
     Args:
@@ -124,22 +135,15 @@ class NearFuturePolicyGuidance(RLVRCallback):
         q_prompts: int = 16,
         seed: int = 0,
     ) -> None:
-        if mode not in ("manual", "lookahead", "auto"):
-            raise ValueError(f"mode must be 'manual', 'lookahead' or 'auto', got {mode!r}.")
-        if mode == "manual" and guide_checkpoint is None:
-            raise ValueError("mode manual needs guide_checkpoint (a .ckpt or a model folder).")
-        if mode != "auto" and not intervene_at:
-            raise ValueError(f"mode {mode} needs intervene_at: the rollout steps to guide from.")
-        for name, value in (
-            ("duration", duration),
-            ("lookahead", lookahead),
-            ("guide_samples", guide_samples),
-            ("num_injected", num_injected),
-            ("window", window),
-            ("q_prompts", q_prompts),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}.")
+        _check_arguments(mode, guide_checkpoint, intervene_at)
+        _check_positive(
+            duration=duration,
+            lookahead=lookahead,
+            guide_samples=guide_samples,
+            num_injected=num_injected,
+            window=window,
+            q_prompts=q_prompts,
+        )
         self.candidates = sorted(set(candidates or [2, 4, 8]))
         if self.candidates[0] < 1:
             raise ValueError(f"candidates must be >= 1, got {self.candidates}.")
@@ -162,14 +166,19 @@ class NearFuturePolicyGuidance(RLVRCallback):
         self.last_start = -(10**9)
         self.guide_step = -1  # rollout step whose weights the guide holds
         self.delta = 0
-        self.guide_weights: dict[str, torch.Tensor] | None = None  # lookahead / auto guides
+        self.guide = NearFutureGuide(guide_checkpoint, guide_samples)  # weights: checkpointed
         self.triggered = False
         self.interventions = 0
-        # not checkpointed
-        self._guide: torch.nn.Module | None = None
-        self._engine: HFEngine | None = None
         self._pending: dict[str, float] = {}  # intervention metrics for the next step's log
-        self._batch: PromptBatch | None = None
+
+    @property
+    def guide_weights(self) -> Weights | None:
+        """The trainable weights the guide carries (``lookahead``, ``auto``); None otherwise."""
+        return self.guide.weights
+
+    @guide_weights.setter
+    def guide_weights(self, weights: Weights | None) -> None:
+        self.guide.weights = weights
 
     # ---- setup and state -------------------------------------------------------------------
 
@@ -177,9 +186,7 @@ class NearFuturePolicyGuidance(RLVRCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not isinstance(pl_module, RLVRModule):
-            raise TypeError("NearFuturePolicyGuidance works with RLVRModule (or a subclass).")
-        g = pl_module.sampling.group_size
+        g = self.check_module(pl_module).sampling.group_size
         if g - self.num_injected < 1:
             raise ValueError(
                 f"NearFuturePolicyGuidance injects {self.num_injected} of G={g} rows, leaving no "
@@ -226,7 +233,7 @@ class NearFuturePolicyGuidance(RLVRCallback):
         self.triggered = bool(state_dict["triggered"])
         self.interventions = int(state_dict["interventions"])
         self.guide_weights = state_dict["guide_weights"]
-        self._guide = self._engine = None  # rebuilt from the weights when next needed
+        self.guide.release()  # rebuilt from the weights when next needed
 
     # ---- when to intervene -----------------------------------------------------------------
 
@@ -245,7 +252,7 @@ class NearFuturePolicyGuidance(RLVRCallback):
         step = module._rollout_step  # the next step to run
         if self.active_until >= 0 and step >= self.active_until:
             self.active_until, self.guide_weights = -1, None
-            self._guide = self._engine = None
+            self.guide.release()
         if self.active_until >= 0 or not self._due(step):
             return
         self.triggered = False
@@ -270,16 +277,16 @@ class NearFuturePolicyGuidance(RLVRCallback):
         """Build the guide for an intervention starting at ``step``; returns the step its
         weights belong to (None: no intervention) and metrics."""
         if self.mode == "manual":
-            self._load_manual_guide(module)
+            self.guide.load(module)
             self.delta = 0
             return step, {}
         if self.mode == "auto" and not self._any_mistakes(module):
             return None, {"npo/skipped_no_mistakes": 1.0}  # nothing to guide: no look-ahead
         deltas = [self.lookahead] if self.mode == "lookahead" else self.candidates
-        kept = self._look_ahead(trainer, module, max(deltas), deltas)
+        kept = look_ahead(trainer, module, max(deltas), deltas, skip=[self])
         if self.mode == "lookahead":
-            self.delta, self.guide_weights = self.lookahead, kept[self.lookahead]
-            self._build_guide(module)
+            self.delta = self.lookahead
+            self.guide.carry(module, kept[self.lookahead])
             return step + self.lookahead, {}
         return self._choose(module, step, kept)
 
@@ -288,127 +295,28 @@ class NearFuturePolicyGuidance(RLVRCallback):
         strategy = module.trainer.strategy
         return ranks.over_ranks(strategy, len(self.pool), "max", module.device) > 0
 
-    def _look_ahead(
-        self, trainer: pl.Trainer, module: RLVRModule, steps: int, keep_at: list[int]
-    ) -> dict[int, dict[str, torch.Tensor]]:
-        saved = lookahead.capture(trainer, module, skip=[self])
-        try:
-            return lookahead.train_ahead(trainer, module, steps, keep_at, skip=[self])
-        finally:
-            lookahead.restore(trainer, module, saved)
-
     def _choose(
-        self, module: RLVRModule, step: int, kept: dict[int, dict[str, torch.Tensor]]
+        self, module: RLVRModule, step: int, kept: dict[int, Weights]
     ) -> tuple[int | None, dict[str, float]]:
         """AutoNPO: score each candidate guide on the mistake pool, keep the best ``S``."""
         prompts = self.pool.newest(self.q_prompts)
-        strategy = module.trainer.strategy
+        batch = pooled_batch([pid for pid, _ in prompts], [p for _, p in prompts])
         metrics: dict[str, float] = {"npo/pool_prompts": float(len(prompts))}
-        # Every rank decides alike (under DDP each has its own pool, and `_any_mistakes` held
-        # on some rank): Δ by Q and V averaged over the ranks.
-        batch = PromptBatch(
-            prompt_ids=[pid for pid, _ in prompts],
-            messages=[p["messages"] for _, p in prompts],
-            columns={
-                k: [p["columns"].get(k) for _, p in prompts]
-                for k in dict.fromkeys(k for _, p in prompts for k in p["columns"])
-            },
-        )
-        scores = {}
-        for delta, weights in kept.items():
-            self.guide_weights = weights
-            self._build_guide(module)
-            q = v = 0.0
-            if prompts:
-                rollouts, correct = self._sample_guide(module, batch)
-                q = npo.signal_quality(correct.view(len(batch), -1).any(1).tolist())
-                v = npo.logratio_variance(
-                    self._policy_logp(module, rollouts),
-                    rollouts.behaviour_logp,
-                    rollouts.completion_mask,
-                )
-            q = ranks.over_ranks(strategy, q, "mean", module.device)
-            v = ranks.over_ranks(strategy, v, "mean", module.device)
-            scores[delta] = npo.effective_signal(q, v)
-            metrics.update(
-                {f"npo/Q@{delta}": q, f"npo/V@{delta}": v, f"npo/S@{delta}": scores[delta]}
-            )
+        scores, scored = score_candidates(self.guide, module, batch, kept)
+        metrics.update(scored)
         self.delta = npo.best_candidate(scores)
-        self.guide_weights = kept[self.delta]
-        self._build_guide(module)
+        self.guide.carry(module, kept[self.delta])
         return step + self.delta, metrics
-
-    # ---- the guide -------------------------------------------------------------------------
-
-    def _load_manual_guide(self, module: RLVRModule) -> None:
-        if self._guide is None:
-            guide = load_guide(
-                self.guide_checkpoint, module.policy, module.tokenizer, module.hparams.dtype
-            )
-            self._set_guide(guide, module)
-
-    def _build_guide(self, module: RLVRModule) -> None:
-        """The guide model: a frozen copy of the policy carrying ``guide_weights``."""
-        assert self.guide_weights is not None
-        if self._guide is None:
-            self._guide = models.frozen_copy(module.policy)
-        params = dict(self._guide.named_parameters())
-        with torch.no_grad():
-            for name, value in self.guide_weights.items():
-                params[name].copy_(value)
-        self._set_guide(self._guide, module)
-
-    def _set_guide(self, guide: torch.nn.Module, module: RLVRModule) -> None:
-        self._guide = guide.to(module.device)
-        self._engine = HFEngine(self._guide, module.tokenizer)
-
-    def _sample_guide(
-        self, module: RLVRModule, batch: PromptBatch
-    ) -> tuple[Rollouts, torch.Tensor]:
-        """``guide_samples`` guide completions of each prompt and their ``[n]`` correctness."""
-        if self._engine is None:
-            if self.guide_weights is None:
-                self._load_manual_guide(module)
-            else:
-                self._build_guide(module)
-        assert self._engine is not None
-        ids, mask = module.encode_prompts(batch)
-        sampling = dataclasses.replace(module.sampling, group_size=self.guide_samples)
-        rollouts = self._engine.generate(ids, mask, sampling)
-        return rollouts, module.score(batch, rollouts).correct.cpu()
-
-    @staticmethod
-    def _policy_logp(module: RLVRModule, rollouts: Rollouts) -> torch.Tensor:
-        """``[n, T]`` the current policy's log-probs of ``rollouts``' tokens, at the rows'
-        temperatures, as the update computes them (0 on padding)."""
-        return trainer_forward(
-            module.policy,
-            rollouts,
-            module.options.update.micro_batch_size,
-            head_chunk_tokens=module.updater.head_chunk_tokens,
-        )[0]
 
     # ---- the step ----------------------------------------------------------------------------
 
     @override
-    def on_before_rollout(
-        self, trainer: pl.Trainer, module: RLVRModule, batch: PromptBatch
-    ) -> PromptBatch | None:
-        self._batch = batch
-        return None
-
-    @override
     def on_after_score(self, trainer: pl.Trainer, module: RLVRModule, scored: Scored) -> Scored:
-        batch, g = scored_batch(module, self._batch, scored), scored.rollouts.group_size
-        sampled = sampled_rows(scored)[0].view(-1, g).cpu()  # [B, G] the policy's outcome
+        groups = self.groups(module, scored)
+        batch, sampled = groups.batch, groups.sampled  # [B, G] the policy's outcome
         if self.mode == "auto":
             for b, pid in enumerate(batch.prompt_ids):
-                prompt = prompt_rows(batch, [b])
-                entry = {
-                    "messages": prompt.messages[0],
-                    "columns": {k: v[0] for k, v in prompt.columns.items()},
-                }
-                self.pool.observe(pid, int(sampled[b].sum()), entry)
+                self.pool.observe(pid, int(sampled[b].sum()), pooled_prompt(batch, b))
         metrics = {**self._pending, "npo/active": float(self.active_until >= 0)}
         self._pending = {}
         if self.mode == "auto":
@@ -419,7 +327,16 @@ class NearFuturePolicyGuidance(RLVRCallback):
         guided = [
             b for b in range(len(batch)) if float(sampled[b].float().mean()) < self.accuracy_gate
         ]
-        members, solved = self._members(module, batch, scored, guided)
+        members, solved = guide_members(
+            module,
+            self.guide,
+            groups,
+            guided,
+            self.num_injected,
+            self.composition,
+            self.slot_rng,
+            self.importance_correction,
+        )
         scored = inject(module, batch, scored, members)
         metrics.update(
             {
@@ -431,50 +348,6 @@ class NearFuturePolicyGuidance(RLVRCallback):
         )
         scored.metrics.update(metrics)
         return scored
-
-    def _members(
-        self, module: RLVRModule, batch: PromptBatch, scored: Scored, guided: list[int]
-    ) -> tuple[list[Member], int]:
-        """Members for the ``guided`` groups (verified-correct guide samples) and how many of
-        those groups the guide solved."""
-        if not guided:
-            return [], 0
-        rollouts, correct = self._sample_guide(module, prompt_rows(batch, guided))
-        n = self.guide_samples
-        logp = rollouts.behaviour_logp if self.importance_correction else None
-        if not self.importance_correction:
-            # π_old of an on-policy-treated member: the current policy at its base temperature
-            rollouts = dataclasses.replace(
-                rollouts,
-                temperature=torch.full_like(rollouts.temperature, module.sampling.temperature),
-            )
-            logp = self._policy_logp(module, rollouts)
-        g = scored.rollouts.group_size
-        on = on_policy_rows(scored.rollouts).view(-1, g).cpu()  # [B, G]
-        now_correct = scored.correct.view(-1, g).cpu()  # [B, G]
-        members, solved = [], 0
-        lengths = rollouts.completion_mask.sum(-1).tolist()
-        for i, b in enumerate(guided):
-            rows = [i * n + j for j in range(n) if bool(correct[i * n + j])][: self.num_injected]
-            if not rows:
-                continue
-            solved += 1
-            slots = guidance_slots(
-                now_correct[b].tolist(), on[b].tolist(), len(rows), self.composition, self.slot_rng
-            )
-            for slot, r in zip(slots, rows, strict=False):
-                k = int(lengths[r])
-                members.append(
-                    Member(
-                        row=b * g + slot,
-                        source=SOURCE,
-                        token_ids=rollouts.completion_ids[r, :k].tolist(),
-                        behaviour_logp=logp[r, :k].tolist(),
-                        temperature=float(rollouts.temperature[r]),
-                        as_on_policy=not self.importance_correction,
-                    )
-                )
-        return members, solved
 
     @override
     def on_step_output(self, trainer: pl.Trainer, module: RLVRModule, output: StepOutput) -> None:

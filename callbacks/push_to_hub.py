@@ -141,11 +141,7 @@ class PushToHub(ExportModel):
         self.push(path, self.checkpoint_branch or self.revision, f"Training step {step}")
 
     @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.interrupted or not trainer.is_global_zero:
-            return
-        path = self.export(trainer, pl_module)
-        self.announce(path)
+    def on_final_export(self, trainer: pl.Trainer, path: Path) -> None:
         self.push(path, self.revision, f"Final model after {trainer.global_step} steps")
 
     @override

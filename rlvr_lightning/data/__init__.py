@@ -2,19 +2,16 @@
 
 from rlvr_lightning.data.curriculum import MemoryBank, VarianceCurriculum, normalized_variance
 from rlvr_lightning.data.datamodule import RLVRDataModule
+from rlvr_lightning.data.errors import DataError
 from rlvr_lightning.data.mixture import SourceSpec
+from rlvr_lightning.data.readers import read_jsonl, read_parquet, read_rows, read_saved_dataset
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import (
-    DataError,
     Example,
     examples_from_rows,
     holdout_split,
     load_examples,
     make_prompt_id,
-    read_jsonl,
-    read_parquet,
-    read_rows,
-    read_saved_dataset,
 )
 from rlvr_lightning.data.stats import Observation, PromptRecord, PromptStats
 from rlvr_lightning.data.tasks import (

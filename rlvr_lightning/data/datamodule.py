@@ -1,18 +1,15 @@
 """``RLVRDataModule``: an endless, resumable stream of training prompts and fixed validation.
 
-Each training step's prompts are composed when the step starts (``compose_step``): replays
-chosen by ``PromptReplay``, refills from the ``VarianceCurriculum`` memory bank, then fresh
-prompts in reshuffled epoch order. The per-prompt statistics, the replay heap, the bank and the
-stream position are saved in checkpoints, so a resumed run sees exactly the prompt sequence an
-uninterrupted run would have seen.
+Each training step's prompts are composed when the step starts (``compose_step``) by a
+``StepComposer`` (``composition.py``: replays, bank refills, then fresh prompts), whose state is
+saved in checkpoints, so a resumed run sees exactly the prompt sequence an uninterrupted run
+would have seen. This module builds the splits and serves them through loaders.
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -20,46 +17,33 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from rlvr_lightning.data.composition import StepComposer
 from rlvr_lightning.data.curriculum import VarianceCurriculum
+from rlvr_lightning.data.loaders import eval_loader, train_loader
 from rlvr_lightning.data.mixture import (
     AnswerFormat,
     SourceName,
     SourceSpec,
     apply_answer_format,
-    check_load_options,
-    drop_long_prompts,
-    limit_prompts,
+    checked_specs,
     load_test_examples,
     mixture_splits,
-    model_prompt_limit,
     source_as_str,
-    source_specs,
     test_specs,
-    validate_source,
 )
-from rlvr_lightning.data.prompts import collate_examples, source_columns, to_messages
+from rlvr_lightning.data.prompt_limit import (
+    drop_long_prompts,
+    limit_prompts,
+    model_prompt_limit,
+    template_tokens,
+    token_counter,
+)
+from rlvr_lightning.data.prompts import collate_examples, source_columns
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
-from rlvr_lightning.data.stats import (
-    Observation,
-    PromptStats,
-    gather_observations,
-    observations,
-)
-from rlvr_lightning.data.stream import (
-    FreshPrompts,
-    PromptStream,
-    StepTicket,
-    StreamCursor,
-    rng_state,
-    set_rng_state,
-)
+from rlvr_lightning.data.stats import Observation, PromptStats
+from rlvr_lightning.data.stream import PromptStream, StepTicket
 from rlvr_lightning.types import PromptBatch, StepOutput
-
-
-def _keep(batch: PromptBatch) -> PromptBatch:
-    """Collate function of ``batch_size=None`` loaders: the dataset already yields batches."""
-    return batch
 
 
 def _check_positive(**values: int) -> None:
@@ -149,10 +133,7 @@ class RLVRDataModule(pl.LightningDataModule):
         if val_size < 0:
             raise ValueError(f"val_size must be >= 0, got {val_size}.")
         source, val_source, test_source = map(source_as_str, (source, val_source, test_source))
-        self.specs = source_specs(source, task_config, columns, answer_format)
-        for spec in self.specs:
-            validate_source(spec.source, spec.task_config, val_source, spec.columns)
-            check_load_options(spec)
+        self.specs = checked_specs(source, task_config, columns, answer_format, val_source)
         self._test_specs = (
             None
             if test_source is None
@@ -160,7 +141,29 @@ class RLVRDataModule(pl.LightningDataModule):
         )
         self.test_split, self.predict_on = test_split, predict_on
         self.save_hyperparameters(ignore=["source", "test_source", "replay", "curriculum"])
-        # Plain data only, so checkpoints load with weights_only=True and cards can show them.
+        self._plain_hparams(source, test_source, replay, curriculum)
+        self.val_source, self.train_size, self.val_size = val_source, train_size, val_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.system_prompt, self.instruction = system_prompt, instruction
+        self.prompts_per_step, self.val_prompts_per_batch = prompts_per_step, val_prompts_per_batch
+        self.seed = seed
+        self.composer = StepComposer(replay, curriculum, stats_history, seed)
+        self.train_examples: list[Example] = []
+        self.val_examples: list[Example] = []
+        self.test_examples: list[Example] = []
+        self._restored_num_train: int | None = None
+        self.skipped_long_prompts: dict[str, int] = {}  # per split, set at setup
+        self._checked_rewards: object = None  # the reward combiner the columns were checked for
+
+    def _plain_hparams(
+        self,
+        source: str | list[SourceSpec],
+        test_source: str | list[SourceSpec] | None,
+        replay: PromptReplay | None,
+        curriculum: VarianceCurriculum | None,
+    ) -> None:
+        """Hyperparameters as plain data, so checkpoints load with weights_only=True and cards
+        can show them."""
         self.hparams["source"] = (
             source if isinstance(source, str) else [vars(s) for s in self.specs]
         )
@@ -171,24 +174,35 @@ class RLVRDataModule(pl.LightningDataModule):
         )
         for name, strategy in (("replay", replay), ("curriculum", curriculum)):
             self.hparams[name] = None if strategy is None else dict(strategy.config)
-        self.val_source, self.train_size, self.val_size = val_source, train_size, val_size
-        self.max_prompt_tokens = max_prompt_tokens
-        self.system_prompt, self.instruction = system_prompt, instruction
-        self.prompts_per_step, self.val_prompts_per_batch = prompts_per_step, val_prompts_per_batch
-        self.replay, self.curriculum, self.seed = replay, curriculum, seed
-        self.stats = PromptStats(stats_history)
-        self.train_examples: list[Example] = []
-        self.val_examples: list[Example] = []
-        self.test_examples: list[Example] = []
-        self.steps = 0  # training steps reported through on_step_output
-        self.last_observed: list[Observation] = []  # the last reported step, all ranks
-        self._cursor = StreamCursor()
-        self._rng = random.Random(seed)
-        self._served: set[str] = set()  # prompts of the current step served as replays
-        self._pending: dict[str, Any] | None = None  # state before the untrained current step
-        self._restored_num_train: int | None = None
-        self.skipped_long_prompts: dict[str, int] = {}  # per split, set at setup
-        self._checked_rewards: object = None  # the reward combiner the columns were checked for
+
+    # --- the step composer's state, read where the data module was read before -----------
+
+    @property
+    def replay(self) -> PromptReplay | None:
+        return self.composer.replay
+
+    @property
+    def curriculum(self) -> VarianceCurriculum | None:
+        return self.composer.curriculum
+
+    @property
+    def stats(self) -> PromptStats:
+        """Per-prompt history of every reported step, gathered across ranks."""
+        return self.composer.stats
+
+    @property
+    def steps(self) -> int:
+        """Training steps reported through ``on_step_output``."""
+        return self.composer.steps
+
+    @property
+    def last_observed(self) -> list[Observation]:
+        """The observations of the last reported step, all ranks."""
+        return self.composer.last_observed
+
+    @last_observed.setter
+    def last_observed(self, observed: list[Observation]) -> None:
+        self.composer.last_observed = observed
 
     # --- data ----------------------------------------------------------------------------
 
@@ -197,8 +211,7 @@ class RLVRDataModule(pl.LightningDataModule):
         # Every stage needs both splits: validation is defined as what training does not see.
         if not self.train_examples:
             self.train_examples, self.val_examples = self._build_splits()
-            self._by_id = {e.prompt_id: e for e in self.train_examples}
-            self._fresh = FreshPrompts(self.train_examples, self.seed, self._cursor)
+            self.composer.start(self.train_examples)
         self._check_reward_columns()
 
     def _check_reward_columns(self) -> None:
@@ -233,28 +246,13 @@ class RLVRDataModule(pl.LightningDataModule):
         if self.max_prompt_tokens is not None:
             return self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
         module = None if self.trainer is None else self.trainer.lightning_module
-        return model_prompt_limit(module, self._template_tokens)
+        return model_prompt_limit(
+            module, lambda tok: template_tokens(tok, self.system_prompt, self.instruction)
+        )
 
-    def _template_tokens(self, tokenizer: Any) -> int:
-        """Tokens the chat template, system prompt and instruction add around a question."""
-        messages = to_messages("", self.system_prompt, self.instruction)
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except ValueError:  # no chat template: encoding the prompts fails with its own error
-            return 0
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
-
-    def _token_counter(self) -> Any:
+    def _token_counter(self) -> Callable[[str], int]:
         tokenizer = getattr(getattr(self.trainer, "lightning_module", None), "tokenizer", None)
-        tokenizer = getattr(self, "tokenizer", None) or tokenizer
-        if tokenizer is None:
-            raise ValueError(
-                "max_prompt_tokens needs a tokenizer: use the data module with an RLVRModule in "
-                "a Trainer, or set `datamodule.tokenizer` before setup."
-            )
-        return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
+        return token_counter(getattr(self, "tokenizer", None) or tokenizer)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:
@@ -273,17 +271,7 @@ class RLVRDataModule(pl.LightningDataModule):
         (their statistics are identical) in a seeded order, and keeps its own slice.
         """
         rank, world = self._rank_and_world()
-        total = self.prompts_per_step * world
-        replays, banked = [], []
-        if self.replay is not None:
-            replays = self.replay.select(self.steps, self.replay.budget(total), ())
-        if self.curriculum is not None:
-            banked = self.curriculum.fill(total, set(replays))
-        served = replays + banked
-        fresh = self._fresh.take(total - len(served), set(served))
-        picked = [self._by_id[pid] for pid in served] + fresh
-        self._rng.shuffle(picked)  # replays spread over ranks
-        self._served = set(served)
+        picked = self.composer.compose(self.prompts_per_step * world)
         mine = picked[rank * self.prompts_per_step : (rank + 1) * self.prompts_per_step]
         return self._collate(mine)
 
@@ -293,7 +281,7 @@ class RLVRDataModule(pl.LightningDataModule):
         Every rank must call it with the same ``n``: the draw is global, like ``compose_step``.
         """
         rank, world = self._rank_and_world()
-        fresh = self._fresh.take(n * world, set(exclude) | self._served)
+        fresh = self.composer.draw(n * world, exclude)
         return self._collate(fresh[rank * n : (rank + 1) * n])
 
     @override
@@ -301,9 +289,7 @@ class RLVRDataModule(pl.LightningDataModule):
         # Lightning calls this when the step starts, after it has prefetched the next ticket.
         if not isinstance(batch, StepTicket):
             return batch
-        # Until on_step_output reports this step, a checkpoint (e.g. on an exception) saves
-        # the state before it, so a resumed run trains this step's prompts again.
-        self._pending = self._composition_state()
+        self.composer.begin_step()
         return self.compose_step()
 
     @override
@@ -318,10 +304,7 @@ class RLVRDataModule(pl.LightningDataModule):
                 "prompts_per_step or add training data (train_size for tasks)."
             )
         stream = PromptStream(self.compose_step, lazy=isinstance(self.trainer, pl.Trainer))
-        # An IterableDataset, not a map-style one: under DDP Lightning would replace a map-style
-        # dataset's sampler with a DistributedSampler and silently re-split the groups. The
-        # stream shards by rank itself, and being endless it lets max_steps decide the length.
-        return DataLoader(stream, batch_size=None, collate_fn=_keep, generator=self._loader_rng())
+        return train_loader(stream, self.seed)
 
     @override
     def val_dataloader(self) -> DataLoader:
@@ -331,15 +314,7 @@ class RLVRDataModule(pl.LightningDataModule):
     def _eval_loader(self, examples: list[Example]) -> DataLoader:
         size = self.val_prompts_per_batch
         batches = [self._collate(examples[i : i + size]) for i in range(0, len(examples), size)]
-        # A list is a map-style dataset: under DDP Lightning shards it across ranks.
-        return DataLoader(
-            batches, batch_size=None, shuffle=False, collate_fn=_keep, generator=self._loader_rng()
-        )
-
-    def _loader_rng(self) -> torch.Generator:
-        # Creating a DataLoader iterator draws a seed; from its own generator it leaves the
-        # global RNG (which sampling uses) alone, so resumes and validation don't shift it.
-        return torch.Generator().manual_seed(self.seed)
+        return eval_loader(batches, self.seed)
 
     def load_test(self) -> list[Example]:
         """The test set (``test_source``, or the ``test_split`` of the sources), loaded once;
@@ -373,9 +348,7 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def train_group_mask(self, correct: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor | None:
         """``[B]`` bool: groups of ``[B, G]`` results allowed to train (None: all)."""
-        if self.curriculum is None:
-            return None
-        return self.curriculum.group_mask(self.steps, correct.cpu(), rewards.cpu())
+        return self.composer.group_mask(correct, rewards)
 
     def on_step_output(self, output: StepOutput) -> None:
         """Hook the module calls after every training step with that step's ``StepOutput``.
@@ -384,63 +357,20 @@ class RLVRDataModule(pl.LightningDataModule):
         The step's observations stay in ``last_observed`` until the next step (``replayed``
         marks the prompts served again, as replays or bank refills).
         """
-        observed = gather_observations(observations(output, self._served))
-        self.last_observed = observed
-        self.stats.record(self.steps, observed)
-        if self.replay is not None:
-            self.replay.observe(self.steps, observed)
-        if self.curriculum is not None:
-            scores = [self.curriculum.observation_score(o) for o in observed]
-            trained = [o.trained for o in observed]
-            self.curriculum.observe(self.steps, [o.prompt_id for o in observed], scores, trained)
-        self.steps += 1
-        self._pending, self._served = None, set()
+        self.composer.observe(output)
 
     # --- checkpoints ---------------------------------------------------------------------
-
-    def _composition_state(self) -> dict[str, Any]:
-        """What composing a step changes; restored when a step was composed but not trained."""
-        return copy.deepcopy(
-            {
-                "epoch": self._cursor.epoch,
-                "index": self._cursor.index,
-                "rng": rng_state(self._rng),
-                "replay": None if self.replay is None else self.replay.state_dict(),
-                "curriculum": None if self.curriculum is None else self.curriculum.state_dict(),
-            }
-        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            **(self._pending or self._composition_state()),
-            "seed": self.seed,
-            "steps": self.steps,
-            "stats": self.stats.state_dict(),
+            **self.composer.state_dict(),
             "num_train_examples": len(self.train_examples) if self.train_examples else None,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict["seed"] != self.seed:
-            raise ValueError(
-                f"The checkpoint's prompt stream used seed={state_dict['seed']}, this run has "
-                f"seed={self.seed}; set seed: {state_dict['seed']} to resume, or start a new run."
-            )
-        for name in ("replay", "curriculum"):
-            if (state_dict.get(name) is None) != (getattr(self, name) is None):
-                raise ValueError(
-                    f"The checkpoint was written {'with' if state_dict.get(name) else 'without'} "
-                    f"data.{name}; configure it the same way to resume exactly."
-                )
-        self._cursor.epoch, self._cursor.index = state_dict["epoch"], state_dict["index"]
-        set_rng_state(self._rng, state_dict["rng"])
-        if self.replay is not None:
-            self.replay.load_state_dict(state_dict["replay"])
-        if self.curriculum is not None:
-            self.curriculum.load_state_dict(state_dict["curriculum"])
-        self.stats.load_state_dict(state_dict["stats"])
-        self.steps, self._pending = state_dict["steps"], None
+        self.composer.load_state_dict(state_dict)
         self._restored_num_train = state_dict["num_train_examples"]
         if self.train_examples:
             self._check_resume()

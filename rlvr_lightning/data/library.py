@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlvr_lightning.data.sources import DataError
+from rlvr_lightning.data.errors import DataError
 
 LIBRARY_SUFFIXES = (".csv", ".json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name

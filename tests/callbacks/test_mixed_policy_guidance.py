@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from rlvr_lightning.callbacks import MixedPolicyGuidance
-from rlvr_lightning.callbacks.mixed_policy_guidance import answer_prefix
+from rlvr_lightning.callbacks._policy_scores import answer_prefix, comprehension
 
 from rlvr_lightning import RLVRModule
 from rlvr_lightning.data import RLVRDataModule
@@ -105,7 +105,7 @@ def test_comprehension_selection_orders_teachers_by_ground_truth_probability():
     teachers = ["x \\boxed{12}", "yy \\boxed{3}", "zzz"]
     batch = _batch({"answer": ["7"], "teacher_responses": [teachers]})
     rollouts = module.rollout(batch)
-    scores = cb._comprehension(module, rollouts, 0, teachers, "7")
+    scores = comprehension(module, rollouts, 0, teachers, "7")
     assert scores.shape == (3,) and bool(((scores > 0) & (scores < 1)).all())
     out = _step(module, cb, batch)
     assert out.rollouts.completions[3] == teachers[int(scores.argmax())]

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
+from rlvr_lightning.data.errors import DataError
 from rlvr_lightning.data.library import LoadOptions, has_splits, is_hub_id, uses_library
 from rlvr_lightning.data.mixture import SourceSpec, check_load_options, source_splits
-from rlvr_lightning.data.sources import DataError, load_examples
+from rlvr_lightning.data.sources import load_examples
 
 
 def _jsonl(path, rows):

@@ -7,13 +7,8 @@ from collections import Counter
 import pytest
 
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.data.mixture import (
-    SourceSpec,
-    apply_answer_format,
-    drop_long_prompts,
-    resample,
-    weighted_counts,
-)
+from rlvr_lightning.data.mixture import SourceSpec, apply_answer_format, resample, weighted_counts
+from rlvr_lightning.data.prompt_limit import drop_long_prompts
 from rlvr_lightning.data.sources import Example
 from rlvr_lightning.data.tasks import multiplication_examples
 

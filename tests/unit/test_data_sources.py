@@ -7,14 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlvr_lightning.data.sources import (
-    DataError,
-    Example,
-    holdout_split,
-    load_examples,
-    make_prompt_id,
-    read_rows,
-)
+from rlvr_lightning.data.errors import DataError
+from rlvr_lightning.data.readers import read_rows
+from rlvr_lightning.data.sources import Example, holdout_split, load_examples, make_prompt_id
 
 ROWS = [
     {"question": "What is 1 + 1?", "answer": "2", "solution": "1 + 1 = 2", "level": 1},

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.data.mixture import default_prompt_limit
+from rlvr_lightning.data.prompt_limit import default_prompt_limit
 from rlvr_lightning.data.stream import StepTicket
 from rlvr_lightning.testing import byte_tokenizer, quiet_trainer
 from rlvr_lightning.types import PromptBatch, StepOutput

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from rlvr_lightning.callbacks.ground_truth_injection import align_reference, reference_text
+from rlvr_lightning.callbacks._guidance import align_reference, reference_text
 
 from rlvr_lightning.algorithms.advantages import (
     group_advantages,
