@@ -16,11 +16,12 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from rlvr_lightning.algorithms.offpolicy import on_policy_rows
 from rlvr_lightning.algorithms.outcomes import sampled_rows
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.rewards.math import extract_boxed
 from rlvr_lightning.stages.hooks import RLVRCallback
-from rlvr_lightning.stages.offpolicy import on_policy_rows, prompt_rows, scored_batch
+from rlvr_lightning.stages.offpolicy import prompt_rows, scored_batch
 from rlvr_lightning.types import PromptBatch, Scored
 
 PooledPrompt = dict[str, Any]

@@ -18,13 +18,14 @@ from rlvr_lightning.callbacks._guidance import Groups
 
 from rlvr_lightning import models
 from rlvr_lightning.algorithms import npo
+from rlvr_lightning.algorithms.offpolicy import Composition, guidance_slots
 from rlvr_lightning.device import trainer_forward
 from rlvr_lightning.guidance import lookahead
 from rlvr_lightning.guidance.guide import load_guide
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.rollout.hf import HFEngine
 from rlvr_lightning.runtime import ranks
-from rlvr_lightning.stages.offpolicy import Composition, Member, guidance_slots, prompt_rows
+from rlvr_lightning.stages.offpolicy import Member, prompt_rows
 from rlvr_lightning.types import PromptBatch, Rollouts
 
 SOURCE = "npo"

@@ -32,10 +32,11 @@ from rlvr_lightning.callbacks._guidance import GuidanceCallback, check_columns, 
 from typing_extensions import override
 
 from rlvr_lightning.algorithms import advantages as adv_lib
+from rlvr_lightning.algorithms.offpolicy import Composition, guidance_slots
 from rlvr_lightning.algorithms.outcomes import pass_rates
 from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.stages.offpolicy import Composition, Member, guidance_slots, inject
+from rlvr_lightning.stages.offpolicy import Member, inject
 from rlvr_lightning.types import PromptBatch, Scored
 
 SOURCE = "reference"

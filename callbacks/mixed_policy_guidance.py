@@ -42,17 +42,12 @@ from rlvr_lightning.callbacks._guidance import (
 from rlvr_lightning.callbacks._policy_scores import comprehension, lowest_entropy
 from typing_extensions import override
 
+from rlvr_lightning.algorithms.offpolicy import Composition, guidance_slots
 from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.guidance.experience import ExperiencePool, Trajectory
 from rlvr_lightning.guidance.teacher import TeacherModel
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.stages.offpolicy import (
-    Composition,
-    Member,
-    guidance_slots,
-    inject,
-    prompt_rows,
-)
+from rlvr_lightning.stages.offpolicy import Member, inject, prompt_rows
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
 
 Source = Literal["reference", "teacher", "experience"]

@@ -56,10 +56,11 @@ from rlvr_lightning.callbacks._npo_guide import (
 from typing_extensions import override
 
 from rlvr_lightning.algorithms import npo
+from rlvr_lightning.algorithms.offpolicy import Composition
 from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.runtime import ranks
-from rlvr_lightning.stages.offpolicy import Composition, inject
+from rlvr_lightning.stages.offpolicy import inject
 from rlvr_lightning.types import Scored, StepOutput
 
 Mode = Literal["manual", "lookahead", "auto"]

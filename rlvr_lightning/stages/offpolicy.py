@@ -19,29 +19,9 @@ from typing import Any, Protocol
 import torch
 
 from rlvr_lightning.algorithms.offpolicy import (
-    BaselineMode,
-    Composition,
-    finish_source_metrics,
-    guidance_slots,
-    mixed_advantages,
-    offpolicy_metric_terms,
-    on_policy_rows,
-    source_loss_terms,
     sources_of,
 )
 from rlvr_lightning.types import SOURCE_POLICY, PromptBatch, Rollouts, Scored
-
-__all__ = [  # the maths re-read here by the callbacks that build members
-    "BaselineMode",
-    "Composition",
-    "finish_source_metrics",
-    "guidance_slots",
-    "mixed_advantages",
-    "offpolicy_metric_terms",
-    "on_policy_rows",
-    "source_loss_terms",
-    "sources_of",
-]
 
 
 class ScoringModule(Protocol):
@@ -282,5 +262,3 @@ def _with_source_metrics(scored: Scored) -> Scored:
         metrics[f"source/{tag}/reward"] = float(rewards[rows].mean())
         metrics[f"source/{tag}/accuracy"] = float(scored.correct.cpu()[rows].float().mean())
     return dataclasses.replace(scored, metrics=metrics)
-
-

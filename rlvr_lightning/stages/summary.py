@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from rlvr_lightning.algorithms.offpolicy import sources_of
 from rlvr_lightning.algorithms.ops import masked_mean
 from rlvr_lightning.algorithms.outcomes import sampled_rows, varies
-from rlvr_lightning.stages.offpolicy import sources_of
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored, StepOutput
 
 

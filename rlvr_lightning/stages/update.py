@@ -24,6 +24,12 @@ from rlvr_lightning.algorithms.losses import (
     kl_estimate,
     value_loss,
 )
+from rlvr_lightning.algorithms.offpolicy import (
+    finish_source_metrics,
+    offpolicy_metric_terms,
+    source_loss_terms,
+    sources_of,
+)
 from rlvr_lightning.algorithms.offpolicy_losses import OffPolicyWeighting, mixed_policy_loss
 from rlvr_lightning.algorithms.ops import masked_mean
 from rlvr_lightning.device import (
@@ -31,12 +37,6 @@ from rlvr_lightning.device import (
     completion_forward,
     completion_logprobs,
     group_microbatches,
-)
-from rlvr_lightning.stages.offpolicy import (
-    finish_source_metrics,
-    offpolicy_metric_terms,
-    source_loss_terms,
-    sources_of,
 )
 from rlvr_lightning.types import Rollouts
 

@@ -14,16 +14,14 @@ from rlvr_lightning.algorithms.advantages import (
     masked_group_advantages,
     max_member_advantage,
 )
-from rlvr_lightning.guidance.experience import ExperiencePool, Trajectory, bucket_probabilities
-from rlvr_lightning.stages.offpolicy import (
-    Member,
+from rlvr_lightning.algorithms.offpolicy import (
     finish_source_metrics,
     guidance_slots,
     mixed_advantages,
-    replace_rows,
-    select_rows,
     source_loss_terms,
 )
+from rlvr_lightning.guidance.experience import ExperiencePool, Trajectory, bucket_probabilities
+from rlvr_lightning.stages.offpolicy import Member, replace_rows, select_rows
 from rlvr_lightning.testing import grouped
 from rlvr_lightning.types import Rollouts, Scored
 

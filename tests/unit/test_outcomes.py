@@ -16,13 +16,13 @@ import torch
 from rlvr_lightning.callbacks import GroundTruthInjection, MixedPolicyGuidance
 
 from rlvr_lightning import RLVRModule
+from rlvr_lightning.algorithms.offpolicy import mixed_advantages
 from rlvr_lightning.algorithms.outcomes import informative_groups
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.data.curriculum import VarianceCurriculum
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.stats import observations
 from rlvr_lightning.rewards import extract_boxed
-from rlvr_lightning.stages.offpolicy import mixed_advantages
 from rlvr_lightning.stages.summary import summarise_step
 from rlvr_lightning.testing import grouped
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored
