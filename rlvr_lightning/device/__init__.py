@@ -15,19 +15,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from rlvr_lightning.device import (
-    CompletionForward,
-    attention,
-    completion_forward,
-    completion_logprobs,
-    cpu_linear,
-    fused_head,
-    group_microbatches,
-    lean_layers,
-    lm_head_inputs,
-)
+from rlvr_lightning.device import attention, cpu_linear, lean_layers
 from rlvr_lightning.device.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
 from rlvr_lightning.device.decode_head import fp32_head_by_blocks, head_by_blocks
+from rlvr_lightning.device.forward import (
+    CompletionForward,
+    completion_forward,
+    completion_logprobs,
+    fused_head,
+    group_microbatches,
+    lm_head_inputs,
+)
 from rlvr_lightning.device.heap import release_free_pages
 from rlvr_lightning.device.precision import weights_cast_once
 from rlvr_lightning.device.shared_prompts import cache_kwarg, prompt_pass

@@ -9,7 +9,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from rlvr_lightning.device import cpu_linear, fused_head
+from rlvr_lightning.device import cpu_linear
+from rlvr_lightning.device.forward import fused_head
 
 # Vocabulary rows of the LM head per matmul while decoding in fp32 (this project's choice).
 HEAD_BLOCK = 4096

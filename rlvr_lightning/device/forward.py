@@ -254,6 +254,17 @@ def _head_states(
     return rows_assembled(hidden, buckets, t)  # [n, t, H]
 
 
+def _token_outputs(head, states, pieces, cids, cmask, temperature, chunk, with_entropy, grad):
+    """``[n, t]`` log-probs (and entropies) from the head's inputs when it is bypassed, else
+    from the model's logits pieces; 0 on padding."""
+    if head is not None:
+        return _fused_logprobs(head, states, cids, cmask, temperature, chunk, with_entropy, grad)
+    logp, entropy = _piecewise_logprobs(pieces, cids, temperature, with_entropy, grad)
+    logp = logp.masked_fill(cmask == 0, 0.0)  # [n, t]
+    entropy = None if entropy is None else entropy.masked_fill(cmask == 0, 0.0)
+    return logp, entropy
+
+
 class CompletionForward(NamedTuple):
     """What one forward over completions gives: ``[n, T]`` each, 0 on trimmed columns, and
     ``layer_means`` (``[n, H]`` prompt and response means of a layer, see ``layer_means``)."""
@@ -315,14 +326,8 @@ def completion_forward(
     if layer_means is not None:
         means = prompt_response_means(layer_out, pids, pmask, cmask, share_prompts, layer_means[1])
     states = _head_states(pieces, hidden, buckets, cids.shape[1], capture, head is not None)
-    if head is not None:
-        logp, entropy = _fused_logprobs(
-            head, states, cids, cmask, temperature, head_chunk_tokens, with_entropy, entropy_grad
-        )  # [n, t] each
-    else:
-        logp, entropy = _piecewise_logprobs(pieces, cids, temperature, with_entropy, entropy_grad)
-        logp = logp.masked_fill(cmask == 0, 0.0)  # [n, t]
-        entropy = None if entropy is None else entropy.masked_fill(cmask == 0, 0.0)
+    outputs = (head, states, pieces, cids, cmask, temperature, head_chunk_tokens)
+    logp, entropy = _token_outputs(*outputs, with_entropy, entropy_grad)  # [n, t] each
     pad = (0, t_full - t_end)
     logp = nn.functional.pad(logp, pad)  # [n, T]
     entropy = None if entropy is None else nn.functional.pad(entropy, pad)  # [n, T]

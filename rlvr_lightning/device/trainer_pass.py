@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from rlvr_lightning.algorithms.ops import masked_mean
-from rlvr_lightning.device import completion_forward, group_microbatches
 from rlvr_lightning.device.chunked_head import DEFAULT_CHUNK_TOKENS
+from rlvr_lightning.device.forward import completion_forward, group_microbatches
 from rlvr_lightning.types import Rollouts
 
 
@@ -81,3 +81,5 @@ def trainer_forward(
     finally:
         model.train(was_training)
     return TrainerPass(out, values, features)
+
+

@@ -63,10 +63,10 @@ def test_the_fused_optimiser_still_clips_the_gradient_norm(precision):
 def test_heap_trimmed_around_each_backward_on_the_cpu_unless_turned_off(
     monkeypatch, precision, trim_heap, expected
 ):
-    from rlvr_lightning.device import heap
+    from rlvr_lightning.stages import optimise
 
     calls, backwards = [], []
-    monkeypatch.setattr(heap, "release_free_pages", lambda: calls.append(1) or True)
+    monkeypatch.setattr(optimise, "release_free_pages", lambda: calls.append(1) or True)
     torch.manual_seed(0)
     module = tiny_module(trim_heap=trim_heap, micro_batch_size=4)  # 8 rows: 2 micro-batches
     monkeypatch.setattr(

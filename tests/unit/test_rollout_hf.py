@@ -129,7 +129,7 @@ def test_drawing_in_row_blocks_takes_the_same_uniforms_as_all_rows_at_once(monke
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_decode_head_by_blocks_is_the_linear_head(monkeypatch, bias):
     # 10 vocabulary rows in blocks of 4, 4, 2; hidden [2, 1, 3] as in a decoding step
-    monkeypatch.setattr(hf, "HEAD_BLOCK", 4)
+    monkeypatch.setattr(decode_head, "HEAD_BLOCK", 4)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(10, 3, generator=gen)
     b = torch.randn(10, generator=gen) if bias else None
@@ -256,7 +256,7 @@ def test_fp32_decoding_uses_the_head_by_blocks_and_bf16_does_not(engine, monkeyp
     greedy = Sampling(max_new_tokens=6, temperature=0.0, group_size=2)
     plain = engine.generate(ids, mask, greedy)  # the tiny vocabulary in one block
     calls = []
-    monkeypatch.setattr(hf, "HEAD_BLOCK", 7)  # the tiny vocabulary in several blocks
+    monkeypatch.setattr(decode_head, "HEAD_BLOCK", 7)  # the tiny vocabulary in several blocks
     original = decode_head.head_by_blocks
     monkeypatch.setattr(decode_head, "head_by_blocks", lambda *a: calls.append(1) or original(*a))
     blocked = engine.generate(ids, mask, greedy)
