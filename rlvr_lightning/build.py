@@ -154,9 +154,11 @@ def reward_combiner(
     sampling: Sampling,
     isolate: bool | Sequence[str] | None = None,
     nan_policy: NanPolicy = "error",
+    **limits: float | int | None,
 ) -> RewardCombiner:
-    """The reward functions (default: boxed accuracy and format) with their weights; ``isolate``
-    and ``nan_policy`` as in ``RewardCombiner``."""
+    """The reward functions (default: boxed accuracy and format) with their weights; ``isolate``,
+    ``nan_policy`` and ``limits`` (``max_failure_share``, ``failure_window``,
+    ``max_abandoned_threads``) as in ``RewardCombiner``."""
     fns = list(fns) if fns is not None else [boxed_accuracy, boxed_format]
     weights = list(weights) if weights is not None else [1.0] * len(fns)
     if overlong:
@@ -164,7 +166,9 @@ def reward_combiner(
         budget = sampling.max_new_tokens
         fns.append(OverlongPenalty(max_len=budget, buffer_len=max(budget // 4, 1)))
         weights.append(1.0)
-    return RewardCombiner(fns, weights, timeout_s=timeout_s, isolate=isolate, nan_policy=nan_policy)
+    return RewardCombiner(
+        fns, weights, timeout_s=timeout_s, isolate=isolate, nan_policy=nan_policy, **limits
+    )
 
 
 def accuracy_reward_name(requested: str | None, names: Sequence[str]) -> str:

@@ -25,6 +25,7 @@ from rlvr_lightning.offpolicy import mixed_advantages
 from rlvr_lightning.optimise import UpdateStage
 from rlvr_lightning.outcomes import InformativeBy, informative_groups, sampled_rows
 from rlvr_lightning.presets import AlgorithmName, EstimatorName, get_preset
+from rlvr_lightning.rewards.trl_contract import RewardState, conversational_rows
 from rlvr_lightning.rollout.base import RolloutEngine
 from rlvr_lightning.rollout.factory import resolve_engine
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
@@ -286,13 +287,15 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         """
         g = rollouts.group_size
         columns = {k: [v for v in vals for _ in range(g)] for k, vals in batch.columns.items()}
+        # TRL's message-list completions where the data's prompt is a conversation.
+        chat = conversational_rows(columns.get("prompts"), len(rollouts.completions))
         columns.setdefault("prompts", [m for m in batch.messages for _ in range(g)])
         mask = rollouts.completion_mask.bool()  # [N, T]
         columns["completion_ids"] = [
             ids[keep].tolist() for ids, keep in zip(rollouts.completion_ids, mask, strict=True)
         ]
         columns["completion_length"] = rollouts.lengths.tolist()
-        result = self.rewards(rollouts.completions, columns)
+        result = self.rewards(rollouts.completions, columns, chat, RewardState.of(self._trainer))
         acc = result.per_function[self.accuracy_reward].nan_to_num(0.0)  # [N]
         rewards, correct = result.total.to(self.device), acc >= self.hparams.accuracy_threshold
         return Scored(
