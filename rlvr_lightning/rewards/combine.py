@@ -119,7 +119,7 @@ class RewardCombiner:
         workers: the process pool isolated functions run in; by default one is started on
             first use, with one process per isolated function, and stopped by :meth:`close`.
         max_failure_share: a function that raises on every row of a batch (of two rows or
-            more), or fails on more than this share of its rows over the last
+            more), or fails or times out on more than this share of its rows over the last
             ``failure_window`` batches, stops training with ``RewardFailureError``; ``None``
             only counts failures. 0.5 and 10 are this project's choice: a parser that raises
             on odd rows scores them 0 and goes on; one that fails on most rows is broken.
@@ -309,14 +309,14 @@ class RewardCombiner:
         fix = fix_for(spec.name, picklable(spec.fn))
         outcome = self._threads.run(task, self.timeout_s, spec.name, fix)
         if outcome is None:
-            self._record_timeout(spec.name, f"its thread keeps running. {fix}")
+            self._record_timeout(spec.name, f"its thread keeps running. {fix}", len(completions))
         return outcome
 
     def _collect(self, spec: RewardSpec, future: Future, n: int) -> Outcome | None:
         try:
             return _wait(future)
         except TimeoutError:
-            self._record_timeout(spec.name, "its worker process was killed and replaced")
+            self._record_timeout(spec.name, "its worker process was killed and replaced", n)
         except pebble.ProcessExpired as exc:
             self.health.warn_once(
                 spec.name,
@@ -351,8 +351,8 @@ class RewardCombiner:
         self.health.record_rows(spec.name, len(outcome.failed), n, outcome.error)
         return self.health.apply_nan_policy(spec.name, values, self.nan_policy)
 
-    def _record_timeout(self, name: str, fate: str) -> None:
-        self.health.record_timeout(name, self.timeout_s, fate)
+    def _record_timeout(self, name: str, fate: str, rows: int) -> None:
+        self.health.record_timeout(name, self.timeout_s, fate, rows)
 
     def _metrics(
         self, per_function: dict[str, torch.Tensor], logs: dict[str, RewardLog]

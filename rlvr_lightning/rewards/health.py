@@ -57,8 +57,8 @@ class RewardHealth:
     Args:
         names: the reward functions' names.
         max_failure_share: stop when, over the last ``failure_window`` batches, more than this
-            share of a function's rows failed, or when it failed on every row of one batch (of
-            at least two rows); ``None`` only counts failures.
+            share of a function's rows failed or timed out, or when it raised on every row of
+            one batch (of at least two rows); ``None`` only counts failures.
         failure_window: how many batches (calls of the combiner) the share is measured over;
             it is judged once that many have been scored.
     """
@@ -90,6 +90,12 @@ class RewardHealth:
         when the function is broken. ``error``: the first row's traceback (None: none, e.g. the
         worker died)."""
         self.failures[name] += failed
+        if failed and name not in self._first_error:
+            self._first_error[name] = last_line(error)
+        if self.max_failure_share is not None:
+            if error is not None and failed == rows >= MIN_ROWS_FOR_ALL_FAILED:
+                self._stop(name, f"raised on all {rows} rows of a batch: {last_line(error)}", error)
+            self._judge(name, failed, rows)
         if failed and error is not None:
             self.warn_once(
                 name,
@@ -100,24 +106,24 @@ class RewardHealth:
                 name,
                 error,
             )
-        if failed and name not in self._first_error:
-            self._first_error[name] = last_line(error)
-        if self.max_failure_share is None:
-            return
+
+    def _judge(self, name: str, lost: int, rows: int) -> None:
+        """Add a batch to the window; stop when more than the share of its rows were lost."""
+        assert self.max_failure_share is not None
         window = self._window[name]
-        window.append((failed, rows))
-        if error is not None and failed == rows >= MIN_ROWS_FOR_ALL_FAILED:
-            self._stop(name, f"raised on all {rows} rows of a batch: {last_line(error)}")
-        failed_total, rows_total = map(sum, zip(*window, strict=True))
-        if len(window) == window.maxlen and failed_total > self.max_failure_share * rows_total:
+        window.append((lost, rows))
+        lost_total, rows_total = map(sum, zip(*window, strict=True))
+        if len(window) == window.maxlen and lost_total > self.max_failure_share * rows_total:
             self._stop(
                 name,
-                f"failed on {failed_total} of {rows_total} rows over the last {len(window)} "
-                f"batches (more than max_failure_share={self.max_failure_share}); first error: "
-                f"{self._first_error.get(name, last_line(None))}",
+                f"failed or timed out on {lost_total} of {rows_total} rows over the last "
+                f"{len(window)} batches (more than max_failure_share={self.max_failure_share}); "
+                f"first error: {self._first_error.get(name, last_line(None))}",
             )
 
-    def _stop(self, name: str, what: str) -> None:
+    def _stop(self, name: str, what: str, error: str | None = None) -> None:
+        if error is not None:  # the summary keeps one line of it; the log keeps it all
+            logger.error("Reward function %r stops the run; its first error:\n%s", name, error)
         raise RewardFailureError(f"Reward function {name!r} {what}.\n{_FIX}")
 
     def apply_nan_policy(
@@ -145,9 +151,12 @@ class RewardHealth:
         )
         return [0.0 if i in bad else v for i, v in enumerate(values)]
 
-    def record_timeout(self, name: str, timeout_s: float | None, fate: str) -> None:
-        """Count a call that ran out of time; warn once, saying what became of it (``fate``)."""
+    def record_timeout(self, name: str, timeout_s: float | None, fate: str, rows: int) -> None:
+        """Count a call on ``rows`` rows that ran out of time; warn once, saying what became of
+        it (``fate``). Its rows count toward the window's share: a function that times out on
+        most batches is as broken as one that raises."""
         self.timeouts[name] += 1
+        self._first_error.setdefault(name, f"ran past timeout_s={timeout_s}")
         self.warn_once(
             name,
             "timeout",
@@ -156,6 +165,8 @@ class RewardHealth:
             timeout_s,
             fate if fate.endswith(".") else fate + ".",
         )
+        if self.max_failure_share is not None:
+            self._judge(name, rows, rows)
 
     def metrics(self) -> dict[str, float]:
         """``reward/{name}/failures`` and ``reward/{name}/timeouts`` since construction."""

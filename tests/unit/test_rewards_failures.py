@@ -70,7 +70,7 @@ def test_most_rows_failing_over_the_window_stops_once_it_is_full() -> None:
     with pytest.raises(RewardFailureError) as info:
         combiner(batch, {})
     message = str(info.value)
-    assert "'fails_on_bad' failed on 6 of 9 rows over the last 3 batches" in message
+    assert "'fails_on_bad' failed or timed out on 6 of 9 rows over the last 3 batches" in message
     assert "max_failure_share=0.5" in message
     assert "first error: ValueError: cannot parse 'bad'" in message
 
@@ -187,3 +187,12 @@ def test_a_slow_call_that_finishes_does_not_count_toward_the_stop(
     assert result.metrics["reward/slow/timeouts"] == 3.0
     # A module-level function: the fix names reward_isolate / run_in_process directly.
     assert "list 'slow' in reward_isolate" in caplog.text
+
+
+def test_timing_out_on_most_batches_stops_like_failing() -> None:
+    combiner = RewardCombiner([slow], timeout_s=0.05, max_abandoned_threads=None, failure_window=2)
+    combiner(["a", "b"], {})
+    with pytest.raises(RewardFailureError) as info:
+        combiner(["a", "b"], {})
+    assert "failed or timed out on 4 of 4 rows over the last 2 batches" in str(info.value)
+    assert "first error: ran past timeout_s=0.05" in str(info.value)
