@@ -94,7 +94,9 @@ class RewardLog:
         return out
 
 
-def context_kwargs(wanted: Sequence[str], state: RewardState | None, log: RewardLog) -> dict:
+def context_kwargs(
+    wanted: Sequence[str], state: RewardState | None, log: RewardLog
+) -> dict[str, Any]:
     """The non-row arguments a function takes (``wanted``, from ``CONTEXT_ARGS``)."""
     values = {"trainer_state": state, "log_extra": log.log_extra, "log_metric": log.log_metric}
     return {name: values[name] for name in wanted}

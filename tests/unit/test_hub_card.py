@@ -200,11 +200,13 @@ def test_relative_local_paths_keep_only_their_last_part(tmp_path, monkeypatch):
         "'/home/alice/My Documents'",
         '"file:///home/alice/My Documents"',
         "`/home/alice/a b/c d`",
+        "~/runs/My Documents/x",
     ],
 )
 def test_scrub_removes_file_urls_and_paths_with_spaces_whole(local):
     out = model_card.scrub(f"saved in {local} and then more")
     assert "alice" not in out and "Documents" not in out and "runs" not in out, out
+    assert "~" not in out
     assert model_card.LOCAL_PATH in out
     assert out.endswith(" and then more")  # the words after the path stay
 

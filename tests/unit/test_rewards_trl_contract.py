@@ -8,6 +8,7 @@ from TRL's documented contract (signatures, annotations and results as TRL's doc
 
 from __future__ import annotations
 
+import doctest
 import logging
 import pickle
 import re
@@ -25,6 +26,8 @@ from rlvr_lightning.rewards import (
     boxed_accuracy,
     boxed_format,
     completion_text,
+    signature,
+    trl_contract,
 )
 from rlvr_lightning.rewards.contract import call_isolated
 
@@ -212,3 +215,10 @@ def test_trl_functions_are_used_when_trl_is_installed() -> None:
     import importlib.util
 
     assert TRL == (importlib.util.find_spec("trl") is not None)
+
+
+@pytest.mark.parametrize("module", [trl_contract, signature])
+def test_doctests(module: Any) -> None:
+    result = doctest.testmod(module)
+    assert result.attempted > 0
+    assert result.failed == 0
