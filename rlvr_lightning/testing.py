@@ -11,6 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rlvr_lightning.rewards.trl_contract import Completion, completion_text
+
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -62,13 +64,14 @@ def tiny_policy(
     return model, tokenizer
 
 
-def digit_fraction(completions: list[str], **_: object) -> list[float]:
+def digit_fraction(completions: list[Completion], **_: object) -> list[float]:
     """A dense toy reward: the fraction of characters that are digits.
 
     Random tiny models almost never earn a verifiable reward, so their groups would have zero
     variance and nothing to learn; this reward varies between samples and makes updates happen.
     """
-    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+    texts = [completion_text(c) for c in completions]  # message lists on chat prompts
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in texts]
 
 
 def tiny_module(**overrides: object):
