@@ -50,6 +50,10 @@ class AbandonedThreads:
         self.max_abandoned = max_abandoned
         self._abandoned: dict[str, list[threading.Thread]] = {}
 
+    def __getstate__(self) -> dict[str, object]:
+        # Threads cannot be pickled (a combiner copied with its module); a copy starts afresh.
+        return {"max_abandoned": self.max_abandoned, "_abandoned": {}}
+
     def running(self, name: str) -> int:
         """How many of ``name``'s abandoned threads are still running."""
         alive = [t for t in self._abandoned.get(name, []) if t.is_alive()]

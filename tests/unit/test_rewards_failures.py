@@ -6,6 +6,7 @@ with the fix and stops the run once too many of its threads still run."""
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 
 from rlvr_lightning.rewards import RewardCombiner, RewardFailureError, RewardTimeoutError
 from rlvr_lightning.rewards.health import last_line
+from rlvr_lightning.rewards.threads import AbandonedThreads
 
 LOGGER = "rlvr_lightning.rewards.combine"
 
@@ -196,3 +198,11 @@ def test_timing_out_on_most_batches_stops_like_failing() -> None:
         combiner(["a", "b"], {})
     assert "failed or timed out on 4 of 4 rows over the last 2 batches" in str(info.value)
     assert "first error: ran past timeout_s=0.05" in str(info.value)
+
+
+def test_abandoned_threads_do_not_stop_a_copy(release: threading.Event) -> None:
+    threads = AbandonedThreads(max_abandoned=2)
+    assert threads.run(release.wait, 0.05, "waits", "Fix: none") is None
+    assert threads.running("waits") == 1
+    copy = pickle.loads(pickle.dumps(threads))  # a combiner copied with its module
+    assert copy.running("waits") == 0 and copy.max_abandoned == 2
