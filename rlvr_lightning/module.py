@@ -32,6 +32,7 @@ from rlvr_lightning.options import (
     Update,
     as_group,
 )
+from rlvr_lightning.rewards.trl_contract import RewardState
 from rlvr_lightning.rollout.base import RolloutEngine
 from rlvr_lightning.rollout.factory import resolve_engine
 from rlvr_lightning.stages import build
@@ -178,9 +179,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
     def score(self, batch: PromptBatch, rollouts: Rollouts) -> Scored:
         """Run the reward functions (``stages.scoring``: the batch's columns repeated ``G``
         times, plus ``prompts``, ``completion_ids`` and ``completion_length``)."""
-        r = self.options.rewards
+        r, state = self.options.rewards, RewardState.of(self._trainer)
         return score_rollouts(
-            self.rewards, batch, rollouts, self.accuracy_reward, r.accuracy_threshold, self.device
+            self.rewards, batch, rollouts, self.accuracy_reward, r.accuracy_threshold, state
         )
 
     def compute_advantages(self, scored: Scored) -> torch.Tensor:

@@ -38,6 +38,14 @@ class Rewards:
             ``None`` always means "not applicable".
         accuracy_reward: name of the reward that defines "correct" (default: the first).
         accuracy_threshold: a row is correct when that reward is >= this value.
+        max_failure_share: a reward that raises (or times out) on every row of a batch, or on
+            more than this share of its rows over the last ``failure_window`` batches, stops the
+            run naming it, its error and the fix; None never stops (failures stay counted
+            warnings). 0.5 is this project's choice.
+        failure_window: batches the failure share is judged over (once the window is full).
+        max_abandoned_threads: a thread-run reward that timed out keeps running (Python cannot
+            stop a thread): after this many still-running timed-out calls the run stops with
+            the fix (``isolate`` the reward); None never stops.
     """
 
     functions: Sequence[Callable] | None = None
@@ -47,6 +55,9 @@ class Rewards:
     nan_policy: Literal["error", "fail"] = "error"
     accuracy_reward: str | None = None
     accuracy_threshold: float = 1.0
+    max_failure_share: float | None = 0.5
+    failure_window: int = 10
+    max_abandoned_threads: int | None = 3
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,18 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from rlvr_lightning.models.tiny import CHAT_TEMPLATE, byte_tokenizer, tiny_policy
+from rlvr_lightning.rewards.trl_contract import Completion, completion_text
 
 __all__ = ["CHAT_TEMPLATE", "byte_tokenizer", "tiny_policy"]
 
-def digit_fraction(completions: list[str], **_: object) -> list[float]:
+def digit_fraction(completions: list[Completion], **_: object) -> list[float]:
     """A dense toy reward: the fraction of characters that are digits.
 
     Random tiny models almost never earn a verifiable reward, so their groups would have zero
     variance and nothing to learn; this reward varies between samples and makes updates happen.
     """
-    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+    texts = [completion_text(c) for c in completions]  # message lists on chat prompts
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in texts]
 
 
 def tiny_module(**overrides: object):

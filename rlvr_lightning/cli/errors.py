@@ -89,7 +89,7 @@ def _cause_lines(message: str) -> tuple[list[str], list[str]]:
 
 
 def _key_path(keys: list[str]) -> str:
-    # `model` -> `reward_fns` is `model.init_args.reward_fns` in a YAML file (subclass mode).
+    # `model` -> `rewards` is `model.init_args.rewards` in a YAML file (subclass mode).
     parts = [keys[0], *keys[1:]]
     if keys[0] in ("model", "data") and len(keys) > 1 and keys[1] != "init_args":
         parts.insert(1, "init_args")

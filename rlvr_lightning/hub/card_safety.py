@@ -13,10 +13,21 @@ from rlvr_lightning.hub.transfer import is_hub_name, split_revision
 LOCAL_PATH = "<local path>"
 REDACTED = "<redacted>"
 _HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{16,}\b")
-# An absolute POSIX or Windows path with at least two components, not part of a URL.
+_STOP = r"\s'\"`<>|()\[\]"  # characters that end an unquoted path
+# A path goes on past a single space when the next word holds a separator ("My Documents/x"):
+# a folder name with a space then does not leave its tail (and what follows) in the card. A
+# last component with a space keeps the words after it; quoted paths are scrubbed whole.
+_SPACED = rf"(?: [^{_STOP}/\\]*[/\\][^{_STOP},]*)*"
+# An absolute POSIX or Windows path (or one under ~) with at least two components, not part
+# of a URL.
 _ABS_PATH = re.compile(
-    r"(?<![\w:/.~-])(?:~|[A-Za-z]:\\|/)(?:[^\s/\\'\"`<>|()\[\]]+[/\\])+[^\s'\"`<>|,()\[\]]*"
+    rf"(?<![\w:/.~-])(?:~[/\\]?|[A-Za-z]:\\|/)(?:[^{_STOP}/\\]+[/\\])+[^{_STOP},]*{_SPACED}"
 )
+# file: URLs (file:///home/..., file://host/..., file:/...) are local paths too.
+_FILE_URL = re.compile(rf"\bfile:(?://[^{_STOP}/]*)?/[^{_STOP}]*{_SPACED}", re.IGNORECASE)
+# A quoted absolute path or file: URL, spaces and all: the quotes say where it ends (one
+# starred part, so an unclosed quote costs linear time; ``_quoted`` wants two components).
+_QUOTED = re.compile(r"(['\"`])((?:file:|~|[A-Za-z]:\\|/)[^'\"`\n]*)\1", re.IGNORECASE)
 _PUBLIC_BASES = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
@@ -38,7 +49,7 @@ def clean_value(value: Any) -> Any:
     if isinstance(value, Path):
         value = str(value)
     if isinstance(value, str):
-        if os.path.isabs(value) or value.startswith("~"):
+        if os.path.isabs(value) or value.startswith("~") or value.lower().startswith("file:"):
             return LOCAL_PATH
         if ("/" in value or os.sep in value) and os.path.exists(value):
             return Path(value).name  # a relative local path: only its last part says anything
@@ -59,11 +70,22 @@ def _secrets() -> list[str]:
     return [s for s in found if len(s) >= 8]
 
 
+def _quoted(match: re.Match[str]) -> str:
+    """A quoted path of two components or more as ``<local path>`` in its quotes; else as is."""
+    quote, inner = match.group(1), match.group(2)
+    if re.search(r"[/\\]", inner[1:].removeprefix("//").lstrip("/")) is None:
+        return match.group(0)  # "/" or "~" or "file:///x" alone: one component
+    return f"{quote}{LOCAL_PATH}{quote}"
+
+
 def scrub(text: str, roots: Sequence[str | Path] = ()) -> str:
-    """Remove Hub tokens and local absolute paths (``roots`` first, then any path-like text)."""
+    """Remove Hub tokens and local paths: quoted paths and ``file:`` URLs whole, then ``roots``,
+    then any path-like text (spaces included where the next word goes on with a separator)."""
     for secret in _secrets():
         text = text.replace(secret, REDACTED)
     text = _HF_TOKEN.sub(REDACTED, text)
+    text = _QUOTED.sub(_quoted, text)
+    text = _FILE_URL.sub(LOCAL_PATH, text)
     for root in sorted({str(r) for r in roots if str(r)}, key=len, reverse=True):
         text = text.replace(root, LOCAL_PATH)
     return _ABS_PATH.sub(LOCAL_PATH, text)

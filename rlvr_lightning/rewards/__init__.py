@@ -11,6 +11,7 @@ from rlvr_lightning.rewards.code import CodeTestsReward, code_tests_pass
 from rlvr_lightning.rewards.combine import RewardCombiner, RewardResult
 from rlvr_lightning.rewards.contract import RewardContractError
 from rlvr_lightning.rewards.format import OverlongPenalty, boxed_format, overlong_penalty
+from rlvr_lightning.rewards.health import RewardFailureError
 from rlvr_lightning.rewards.isolation import RewardWorkers, run_in_process
 from rlvr_lightning.rewards.math import (
     answer_accuracy,
@@ -21,13 +22,18 @@ from rlvr_lightning.rewards.math import (
     last_number,
     normalize_gold,
 )
+from rlvr_lightning.rewards.threads import RewardTimeoutError
+from rlvr_lightning.rewards.trl_contract import RewardState, completion_text
 
 __all__ = [
     "CodeTestsReward",
     "OverlongPenalty",
     "RewardCombiner",
     "RewardContractError",
+    "RewardFailureError",
     "RewardResult",
+    "RewardState",
+    "RewardTimeoutError",
     "RewardWorkers",
     "answer_accuracy",
     "answers_match",
@@ -35,6 +41,7 @@ __all__ = [
     "boxed_format",
     "code_tests_pass",
     "committed_boxed",
+    "completion_text",
     "extract_boxed",
     "last_number",
     "normalize_gold",

@@ -1,25 +1,28 @@
 """The one place where reward functions are weighted, isolated from each other and timed out.
 
-A reward function is ``fn(completions: list[str], **columns) -> list[float | None]``. The
-combiner hands each function only the columns its signature names (all of them when it takes
-``**kwargs``) and turns ``None`` into NaN. The completions go first, or by keyword to a
-parameter named ``completions`` (TRL's ``fn(prompts, completions, **kwargs)``); an ``async def``
-function is awaited. A function that raises on some rows costs those rows
-their reward; one that hangs costs the batch's rows their reward (and, when it runs in a worker
-process, nothing later: the worker is killed). A function that breaks the contract (wrong length,
-wrong type, NaN) stops training with a ``RewardContractError`` naming it.
+A reward function is ``fn(completions, **columns) -> list[float | None]`` with TRL's contract:
+completions are strings, or ``[{"role": "assistant", "content": ...}]`` for rows whose prompt is
+conversational; ``trainer_state``, ``log_extra`` and ``log_metric`` are passed as TRL does
+(``rewards.trl_contract``). The combiner hands each function only the columns its signature
+names (all of them when it takes ``**kwargs``) and turns ``None`` into NaN. The completions go
+first, or by keyword to a parameter named ``completions`` (TRL's ``fn(prompts, completions,
+**kwargs)``); an ``async def`` function is awaited. A function that raises on some rows costs
+those rows their reward; one that raises on every row (or most, over a window) stops training
+with a ``RewardFailureError`` (``rewards.health``). One that hangs costs the batch's rows their
+reward: in a worker process nothing later (the worker is killed); in a thread the thread keeps
+running, so a few such stop training with a ``RewardTimeoutError`` (``rewards.threads``). A
+function that breaks the contract (wrong length, wrong type, NaN) stops training with a
+``RewardContractError`` naming it.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pebble
@@ -27,20 +30,34 @@ import torch
 
 from rlvr_lightning.rewards.contract import (
     Outcome,
-    RewardContractError,
     RewardFn,
     call_isolated,
     coerce,
 )
+from rlvr_lightning.rewards.health import RewardHealth
 from rlvr_lightning.rewards.isolation import (
     LoadError,
     RewardWorkers,
     isolated_names,
     preload_modules,
 )
-from rlvr_lightning.rewards.signature import dedupe, default_name, inspect_columns
-
-logger = logging.getLogger(__name__)
+from rlvr_lightning.rewards.specs import (
+    RewardSpec,
+    build_specs,
+    check_args,
+    check_batch_columns,
+    picklable,
+    resolve_names,
+)
+from rlvr_lightning.rewards.threads import AbandonedThreads, fix_for
+from rlvr_lightning.rewards.trl_contract import (
+    Completion,
+    RewardLog,
+    RewardState,
+    as_completions,
+    conversational_rows,
+    logged_columns,
+)
 
 NanPolicy = Literal["error", "fail"]
 
@@ -60,26 +77,17 @@ class RewardResult:
         metrics: ``reward/{name}/mean`` for this batch (omitted when no row applies), and since
             the combiner was built: ``reward/{name}/failures`` (rows that raised, lost their
             worker process, or returned NaN under ``nan_policy="fail"``) and
-            ``reward/{name}/timeouts`` (calls that ran out of time).
+            ``reward/{name}/timeouts`` (calls that ran out of time); and the mean of what a
+            function passed to ``log_metric(metric, value)`` as ``reward/{name}/{metric}``.
+        logged_columns: what the functions passed to ``log_extra(column, values)``, one value
+            per completion (a column two functions log is kept as ``{name}/{column}`` for the
+            second).
     """
 
     total: torch.Tensor  # [N]
     per_function: dict[str, torch.Tensor]  # name -> [N]
     metrics: dict[str, float]
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """A reward function with what the combiner learned about it at construction."""
-
-    fn: RewardFn
-    name: str
-    weight: float
-    columns: frozenset[str] | None  # names it accepts; None means all (it takes **kwargs)
-    required: tuple[str, ...]  # columns without a default
-    first: str  # name of its completions parameter, never passed as a column
-    by_name: bool = False  # the completions go by keyword, under ``first``
-    isolated: bool = False  # runs in a worker process
+    logged_columns: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def _wait(future: Future) -> Outcome:
@@ -88,30 +96,6 @@ def _wait(future: Future) -> Outcome:
     while not future.done():
         wait([future], timeout=0.5)
     return future.result()
-
-
-def _run_with_timeout(task: Callable[[], Outcome], timeout_s: float, name: str) -> Outcome | None:
-    """Run ``task`` in a daemon thread; None if it has not finished after ``timeout_s``.
-
-    Python cannot kill a thread, so a stuck task is abandoned: it keeps its thread (and any CPU
-    it burns) until it returns or the process exits. Daemon threads never block that exit.
-    """
-    box: list[Outcome | BaseException] = []
-
-    def work() -> None:
-        try:
-            box.append(task())
-        except BaseException as exc:  # SystemExit and the like: re-raised below, as inline
-            box.append(exc)
-
-    thread = threading.Thread(target=work, name=f"reward-{name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return None
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
 
 
 class RewardCombiner:
@@ -134,6 +118,16 @@ class RewardCombiner:
             ``fail`` (the row scores 0.0 and counts in ``reward/{name}/failures``).
         workers: the process pool isolated functions run in; by default one is started on
             first use, with one process per isolated function, and stopped by :meth:`close`.
+        max_failure_share: a function that raises on every row of a batch (of two rows or
+            more), or fails or times out on more than this share of its rows over the last
+            ``failure_window`` batches, stops training with ``RewardFailureError``; ``None``
+            only counts failures. 0.5 and 10 are this project's choice: a parser that raises
+            on odd rows scores them 0 and goes on; one that fails on most rows is broken.
+        failure_window: batches the failure share is measured over (judged once full).
+        max_abandoned_threads: once this many timed-out calls of one function still run in
+            abandoned threads, training stops with ``RewardTimeoutError`` (the first timeout is
+            reported with the fix: a worker process); ``None`` lets them stack. 3 is this
+            project's choice: a slow call that finishes later does not count.
 
     Process functions start first and run while the others run, one after another. A function
     that raises on the batch is retried row by row; rows that still raise score 0.0 and are
@@ -160,23 +154,22 @@ class RewardCombiner:
         isolate: bool | Sequence[str] | None = None,
         nan_policy: NanPolicy = "error",
         workers: RewardWorkers | None = None,
+        max_failure_share: float | None = 0.5,
+        failure_window: int = 10,
+        max_abandoned_threads: int | None = 3,
     ) -> None:
         functions = list(functions)
         weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
-        names = self._resolve_names(functions, names)
-        self._check_args(functions, weights, timeout_s, nan_policy)
+        names = resolve_names(functions, names)
+        check_args(functions, weights, timeout_s, nan_policy)
         isolated = isolated_names(functions, names, isolate)
         self.timeout_s = timeout_s or None
         self.nan_policy = nan_policy
-        self.specs = tuple(
-            _Spec(fn, name, weight, *inspect_columns(fn, name), isolated=name in isolated)
-            for fn, name, weight in zip(functions, names, weights, strict=True)
-        )
+        self.specs = build_specs(functions, names, weights, isolated)
         self._own_workers = workers is None
         self._workers = workers
-        self._failures = dict.fromkeys(names, 0)
-        self._timeouts = dict.fromkeys(names, 0)
-        self._warned: set[tuple[str, str]] = set()
+        self.health = RewardHealth(names, max_failure_share, failure_window)
+        self._threads = AbandonedThreads(max_abandoned_threads)
 
     @property
     def names(self) -> list[str]:
@@ -193,50 +186,42 @@ class RewardCombiner:
             self._workers.close()
             self._workers = None
 
-    @staticmethod
-    def _resolve_names(functions: list[RewardFn], names: Sequence[str] | None) -> list[str]:
-        if names is None:
-            return dedupe([default_name(fn) for fn in functions])
-        names = list(names)
-        if len(names) != len(functions) or len(set(names)) != len(names):
-            raise ValueError(
-                f"RewardCombiner got {len(names)} names {names} for {len(functions)} functions; "
-                "give one distinct name per function, or omit names to derive them."
-            )
-        return names
+    def __call__(
+        self,
+        completions: list[str],
+        columns: dict[str, list[Any]],
+        conversational: Sequence[bool] | None = None,
+        trainer_state: RewardState | None = None,
+    ) -> RewardResult:
+        """Score ``completions`` (texts) with the per-row ``columns``.
 
-    @staticmethod
-    def _check_args(
-        functions: list[RewardFn], weights: list[float], timeout_s: float | None, nan_policy: str
-    ) -> None:
-        if not functions:
-            raise ValueError("RewardCombiner needs at least one reward function.")
-        if not all(callable(fn) for fn in functions):
-            bad = [repr(fn) for fn in functions if not callable(fn)]
-            raise ValueError(f"RewardCombiner functions must be callable; got {bad}.")
-        if len(weights) != len(functions):
-            raise ValueError(
-                f"RewardCombiner got {len(weights)} weights for {len(functions)} functions; "
-                "give one weight per function, or omit weights to weight them all 1.0."
-            )
-        if timeout_s is not None and timeout_s < 0:
-            raise ValueError(f"timeout_s must be >= 0 (0 or None disables it); got {timeout_s}.")
-        if nan_policy not in ("error", "fail"):
-            raise ValueError(f"nan_policy must be 'error' or 'fail'; got {nan_policy!r}.")
-
-    def __call__(self, completions: list[str], columns: dict[str, list[Any]]) -> RewardResult:
-        self._check_columns(len(completions), columns)
+        ``conversational``: which rows a reward gets as a message list; by default those whose
+        ``prompts`` column entry is a message list (a reward that annotates its completions as
+        ``list[list[dict[str, str]]]``, as TRL's own do, gets every row so).
+        ``trainer_state``: what a reward taking ``trainer_state`` gets
+        (``RewardState.of(trainer)``; None outside training).
+        """
+        check_batch_columns(self.specs, len(completions), columns)
+        if conversational is None:
+            conversational = conversational_rows(columns.get("prompts"), len(completions))
+        given = {
+            False: as_completions(completions, conversational),
+            True: as_completions(completions, [True] * len(completions)),  # TRL-annotated
+        }
         futures = {
-            spec.name: self._submit(spec, completions, columns)
+            spec.name: self._submit(spec, given[spec.messages], columns, trainer_state)
             for spec in self.specs
             if spec.isolated
         }
+        logs: dict[str, RewardLog] = {}
         try:
             per_function = {
-                spec.name: self._score(spec, completions, columns, futures.get(spec.name))
+                spec.name: self._score(
+                    spec, given[spec.messages], columns, futures.get(spec.name), trainer_state, logs
+                )
                 for spec in self.specs
             }  # name -> [N]
-        except BaseException:  # a contract error, or a signal stopping the run: kill the rest
+        except BaseException:  # a stopping error, or a signal stopping the run: kill the rest
             for future in futures.values():
                 future.cancel()
             raise
@@ -244,11 +229,14 @@ class RewardCombiner:
             [spec.weight * per_function[spec.name] for spec in self.specs]
         )  # [F, N]
         total = torch.nansum(weighted, dim=0)  # [N]; all-NaN rows sum to 0
-        return RewardResult(total, per_function, self._metrics(per_function))
+        metrics = self._metrics(per_function, logs)
+        return RewardResult(
+            total, per_function, metrics, logged_columns(logs, total.numel(), self.health.warn_once)
+        )
 
     def required_columns(self) -> dict[str, tuple[str, ...]]:
         """name -> the columns that function needs (parameters without a default)."""
-        return {spec.name: spec.required for spec in self.specs if spec.required}
+        return {spec.name: spec.needs for spec in self.specs if spec.needs}
 
     def check_available(
         self, columns: Sequence[str], where: str, supplied: Sequence[str] = ROLLOUT_COLUMNS
@@ -257,7 +245,7 @@ class RewardCombiner:
         column is neither in ``columns`` (``where`` says whose: a data source) nor ``supplied``
         (the per-row inputs the module adds)."""
         for spec in self.specs:
-            missing = [c for c in spec.required if c not in (*columns, *supplied)]
+            missing = [c for c in spec.needs if c not in (*columns, *supplied)]
             if missing:
                 raise ValueError(
                     f"Reward function {spec.name!r} needs column {missing[0]!r}, but {where} has "
@@ -266,163 +254,114 @@ class RewardCombiner:
                     "drop the reward."
                 )
 
-    def _check_columns(self, n: int, columns: dict[str, list[Any]]) -> None:
-        wrong = {k: len(v) for k, v in columns.items() if len(v) != n}
-        if wrong:
-            raise ValueError(
-                f"Reward columns must have one entry per completion ({n}); got {wrong}."
-            )
-        for spec in self.specs:
-            missing = [c for c in spec.required if c not in columns]
-            if missing:
-                raise ValueError(
-                    f"Reward function {spec.name!r} needs column(s) {missing}, but the batch only "
-                    f"has {sorted(columns)}. Add them to the dataset or give them defaults."
-                )
-
-    def _kwargs_for(self, spec: _Spec, columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        return {
-            k: v
-            for k, v in columns.items()
-            if k != spec.first and (spec.columns is None or k in spec.columns)
-        }
-
-    def _submit(self, spec: _Spec, completions: list[str], columns: dict[str, list[Any]]) -> Future:
+    def _submit(
+        self,
+        spec: RewardSpec,
+        completions: list[Completion],
+        columns: dict[str, list[Any]],
+        state: RewardState | None,
+    ) -> Future:
         if self._workers is None:
             isolated = [s.fn for s in self.specs if s.isolated]
             processes = max(1, min(len(isolated), os.cpu_count() or 1))
             self._workers = RewardWorkers(processes, preload_modules(isolated))
-        kwargs = self._kwargs_for(spec, columns)
         by_name = spec.first if spec.by_name else ""
-        return self._workers.submit(
-            spec.fn, call_isolated, completions, kwargs, by_name, timeout=self.timeout_s
-        )
+        args = (completions, spec.kwargs(columns), by_name, state, spec.context)
+        return self._workers.submit(spec.fn, call_isolated, *args, timeout=self.timeout_s)
 
     def _score(
         self,
-        spec: _Spec,
-        completions: list[str],
+        spec: RewardSpec,
+        completions: list[Completion],
         columns: dict[str, list[Any]],
         future: Future | None,
+        state: RewardState | None,
+        logs: dict[str, RewardLog],
     ) -> torch.Tensor:
         n = len(completions)
         outcome = (
             self._collect(spec, future, n)
             if future is not None
-            else self._run_here(spec, completions, columns)
+            else self._run_here(spec, completions, columns, state)
         )
         values = [0.0] * n if outcome is None else self._check(spec, outcome, n)
+        if outcome is not None and outcome.log is not None:
+            logs[spec.name] = outcome.log
         return torch.tensor(
             [math.nan if v is None else v for v in values], dtype=torch.float32
         )  # [N]
 
     def _run_here(
-        self, spec: _Spec, completions: list[str], columns: dict[str, list[Any]]
+        self,
+        spec: RewardSpec,
+        completions: list[Completion],
+        columns: dict[str, list[Any]],
+        state: RewardState | None,
     ) -> Outcome | None:
-        kwargs = self._kwargs_for(spec, columns)
+        kwargs = spec.kwargs(columns)
         by_name = spec.first if spec.by_name else ""
 
         def task() -> Outcome:
-            return call_isolated(spec.fn, completions, kwargs, by_name)
+            return call_isolated(spec.fn, completions, kwargs, by_name, state, spec.context)
 
         if self.timeout_s is None:
             return task()
-        outcome = _run_with_timeout(task, self.timeout_s, spec.name)
+        fix = fix_for(spec.name, picklable(spec.fn))
+        outcome = self._threads.run(task, self.timeout_s, spec.name, fix)
         if outcome is None:
-            self._record_timeout(spec.name, "the thread is abandoned (Python cannot kill threads)")
+            self._record_timeout(spec.name, f"its thread keeps running. {fix}", len(completions))
         return outcome
 
-    def _collect(self, spec: _Spec, future: Future, n: int) -> Outcome | None:
+    def _collect(self, spec: RewardSpec, future: Future, n: int) -> Outcome | None:
         try:
             return _wait(future)
         except TimeoutError:
-            self._record_timeout(spec.name, "its worker process was killed and replaced")
+            self._record_timeout(spec.name, "its worker process was killed and replaced", n)
         except pebble.ProcessExpired as exc:
-            self._failures[spec.name] += n
-            self._warn_once(
+            self.health.warn_once(
                 spec.name,
                 "expired",
                 "Reward function %r: its worker process died (exit code %s) while scoring; the "
                 "batch's rows score 0.0 and count as failures.",
                 exc.exitcode,
             )
+            self.health.record_rows(spec.name, n, n, None)
         except BrokenProcessPool as exc:
             raise RuntimeError(
                 f"Reward function {spec.name!r}: its worker processes exited on start ({exc}). "
                 "They import the main module (multiprocessing's forkserver), so a script must "
                 'start training under `if __name__ == "__main__":`. Or run the function in the '
-                "trainer's process (RewardCombiner(isolate=False), RLVRModule reward_isolate)."
+                "trainer's process (RewardCombiner(isolate=False), RLVRModule rewards.isolate)."
             ) from exc
         except LoadError as exc:
             raise RuntimeError(
                 f"Reward function {spec.name!r} could not be loaded in a worker process ({exc}). "
                 "Define it at module level in an importable module, or run it in the trainer's "
-                "process (RewardCombiner(isolate=...), RLVRModule reward_isolate)."
+                "process (RewardCombiner(isolate=...), RLVRModule rewards.isolate)."
             ) from None
         return None
 
-    def _check(self, spec: _Spec, outcome: Outcome, n: int) -> list[float | None]:
+    def _check(self, spec: RewardSpec, outcome: Outcome, n: int) -> list[float | None]:
         if outcome.rows is None:
             values = coerce(outcome.returned, n, spec.name)
         else:
             values = []
             for i, raw in enumerate(outcome.rows):
                 values += [0.0] if i in outcome.failed else coerce(raw, 1, spec.name, i)
-        if outcome.failed:
-            self._failures[spec.name] += len(outcome.failed)
-            self._warn_once(
-                spec.name,
-                "failure",
-                "Reward function %r raised on %d row(s), which score 0.0; further failures are "
-                "counted in reward/%s/failures without a warning. First error:\n%s",
-                len(outcome.failed),
-                spec.name,
-                outcome.error,
-            )
-        return self._apply_nan_policy(spec.name, values)
+        self.health.record_rows(spec.name, len(outcome.failed), n, outcome.error)
+        return self.health.apply_nan_policy(spec.name, values, self.nan_policy)
 
-    def _apply_nan_policy(self, name: str, values: list[float | None]) -> list[float | None]:
-        bad = {i for i, v in enumerate(values) if v is not None and not math.isfinite(v)}
-        if not bad:
-            return values
-        if self.nan_policy == "error":
-            raise RewardContractError(
-                f"Reward function {name!r} returned {values[min(bad)]} for completion {min(bad)} "
-                f"({len(bad)} of {len(values)} rows); expected a finite float, or None where it "
-                "does not apply. nan_policy='fail' (RLVRModule: reward_nan_policy) scores such "
-                "rows 0.0 and counts them as failures instead."
-            )
-        self._failures[name] += len(bad)
-        self._warn_once(
-            name,
-            "nan",
-            "Reward function %r returned NaN or inf on %d row(s), which score 0.0 and count as "
-            "failures (nan_policy='fail').",
-            len(bad),
-        )
-        return [0.0 if i in bad else v for i, v in enumerate(values)]
+    def _record_timeout(self, name: str, fate: str, rows: int) -> None:
+        self.health.record_timeout(name, self.timeout_s, fate, rows)
 
-    def _record_timeout(self, name: str, fate: str) -> None:
-        self._timeouts[name] += 1
-        self._warn_once(
-            name,
-            "timeout",
-            "Reward function %r exceeded timeout_s=%s on a batch; its rows score 0.0 and %s. "
-            "Raise RewardCombiner(timeout_s=...) if it is just slow. Shown once per function.",
-            self.timeout_s,
-            fate,
-        )
-
-    def _warn_once(self, name: str, kind: str, message: str, *args: object) -> None:
-        if (name, kind) not in self._warned:
-            self._warned.add((name, kind))
-            logger.warning(message, name, *args)
-
-    def _metrics(self, per_function: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _metrics(
+        self, per_function: dict[str, torch.Tensor], logs: dict[str, RewardLog]
+    ) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for name, values in per_function.items():  # values: [N]
             if not torch.isnan(values).all():
                 metrics[f"reward/{name}/mean"] = float(torch.nanmean(values))
-            metrics[f"reward/{name}/failures"] = float(self._failures[name])
-            metrics[f"reward/{name}/timeouts"] = float(self._timeouts[name])
+        metrics.update(self.health.metrics())
+        for name, log in logs.items():
+            metrics.update({f"reward/{name}/{k}": v for k, v in log.means().items()})
         return metrics

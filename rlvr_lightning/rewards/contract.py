@@ -3,7 +3,9 @@ and check that it returned one float or None per completion.
 
 ``call_isolated`` runs in a worker thread or process; ``coerce`` runs in the trainer's process
 and raises ``RewardContractError`` naming the function. An ``async def`` function (or one that
-returns an awaitable) is awaited right there, on an event loop of its own.
+returns an awaitable) is awaited right there, on an event loop of its own. TRL's non-row
+arguments (``trainer_state``, ``log_extra``, ``log_metric``) are made there too, so what a
+function logs comes back with its values (``rewards.trl_contract``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from rlvr_lightning.rewards.trl_contract import Completion, RewardLog, RewardState, context_kwargs
 
 RewardFn = Callable[..., Sequence[Any]]
 
@@ -34,6 +38,7 @@ class Outcome:
     rows: list[object] | None = None  # else each row's return value, called alone
     failed: tuple[int, ...] = ()  # rows that raised when called alone
     error: str | None = None  # the first row error, with its traceback
+    log: RewardLog | None = None  # what it passed to log_extra / log_metric (successful calls)
 
 
 def _short(value: object) -> str:
@@ -70,7 +75,10 @@ def _settle(value: object) -> object:
 
 
 def _call(
-    fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]], by_name: str
+    fn: RewardFn,
+    completions: list[Completion],
+    kwargs: dict[str, Any],
+    by_name: str,
 ) -> object:
     """``fn(completions, **kwargs)``, or ``fn(**{by_name: completions}, **kwargs)`` when the
     completions are passed by keyword (TRL's ``fn(prompts, completions, **kwargs)`` order)."""
@@ -80,28 +88,44 @@ def _call(
 
 
 def call_isolated(
-    fn: RewardFn, completions: list[str], kwargs: dict[str, list[Any]], by_name: str = ""
+    fn: RewardFn,
+    completions: list[Completion],
+    kwargs: dict[str, list[Any]],
+    by_name: str = "",
+    state: RewardState | None = None,
+    context: tuple[str, ...] = (),
 ) -> Outcome:
     """Call on the batch; if that raises, call row by row so one bad row costs only itself.
 
     Runs in a worker thread or process; the return values are checked by the caller.
     ``by_name``: the keyword the completions go under; ``""`` passes them first, positionally.
+    ``context``: the non-row arguments the function takes (``trl_contract.CONTEXT_ARGS``),
+    ``state`` the ``trainer_state`` it gets.
     """
+    log = RewardLog()
     try:
-        return Outcome(_call(fn, completions, kwargs, by_name))
+        returned = _call(
+            fn, completions, {**kwargs, **context_kwargs(context, state, log)}, by_name
+        )
+        return Outcome(returned, log=log)
     except Exception:  # isolation is the point: the row retry reports the error
         pass
     rows: list[object] = []
+    logs: list[RewardLog | None] = []
     failed: list[int] = []
     error = None
     for i, completion in enumerate(completions):
+        row_log = RewardLog()
+        row = {k: [v[i]] for k, v in kwargs.items()} | context_kwargs(context, state, row_log)
         try:
-            rows.append(_call(fn, [completion], {k: [v[i]] for k, v in kwargs.items()}, by_name))
+            rows.append(_call(fn, [completion], row, by_name))
+            logs.append(row_log)
         except Exception:
             rows.append(None)
+            logs.append(None)
             failed.append(i)
             error = error or traceback.format_exc()
-    return Outcome(None, rows, tuple(failed), error)
+    return Outcome(None, rows, tuple(failed), error, RewardLog.merge_rows(logs))
 
 
 def _as_value(value: object, name: str, row: int) -> float | None:

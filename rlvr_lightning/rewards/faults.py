@@ -4,7 +4,7 @@ They are defined at module level and marked with ``run_in_process`` so that work
 import them; ``RewardCombiner(isolate=False)`` runs them in threads instead (the old behaviour).
 Each announces itself on stderr (``rlvr_lightning.rewards.faults.<name> started in process
 <pid>``) so that a test driving the CLI knows when the reward is running. Use them in YAML, e.g.
-``reward_fns: [rlvr_lightning.rewards.faults.hang]``.
+``rewards: {functions: [rlvr_lightning.rewards.faults.hang]}``.
 """
 
 from __future__ import annotations

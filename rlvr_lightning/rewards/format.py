@@ -7,15 +7,16 @@ from collections.abc import Sequence
 import torch
 
 from rlvr_lightning.rewards.math import extract_boxed
+from rlvr_lightning.rewards.trl_contract import Completion, completion_text
 
 
-def boxed_format(completions: list[str], **_: object) -> list[float | None]:
+def boxed_format(completions: list[Completion], **_: object) -> list[float | None]:
     r"""1.0 when the completion contains a non-empty ``\boxed{}``, else 0.0.
 
     >>> boxed_format([r"\boxed{3}", r"\boxed{ }", "3"])
     [1.0, 0.0, 0.0]
     """
-    return [float(bool((extract_boxed(c) or "").strip())) for c in completions]
+    return [float(bool((extract_boxed(completion_text(c)) or "").strip())) for c in completions]
 
 
 def _check_overlong_args(max_len: int, buffer_len: int, factor: float) -> None:

@@ -1,8 +1,9 @@
 """Answer extraction, answer comparison and accuracy rewards for math problems.
 
 Reward functions follow the package contract
-``fn(completions: list[str], **columns) -> list[float | None]``; ``None`` marks a row the
-function does not apply to (here: a row without a gold answer).
+``fn(completions: list[str], **columns) -> list[float | None]`` (a completion may also be
+TRL's message list, for a conversational prompt); ``None`` marks a row the function does not
+apply to (here: a row without a gold answer).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from rlvr_lightning.rewards.isolation import run_in_process
+from rlvr_lightning.rewards.trl_contract import Completion, completion_text
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A minus sign binds to a number only when it does not follow a word character, so "5-3" yields
@@ -236,7 +238,7 @@ def _score(pred: str | None, answer: object) -> float | None:
 
 @run_in_process(preload=["math_verify"])
 def boxed_accuracy(
-    completions: list[str], answer: Sequence[object], **_: object
+    completions: list[Completion], answer: Sequence[object], **_: object
 ) -> list[float | None]:
     r"""1.0 when the last ``\boxed{}`` matches ``answer``, else 0.0; None without a gold answer.
 
@@ -246,12 +248,13 @@ def boxed_accuracy(
     >>> boxed_accuracy([r"\boxed{42}", "42", r"\boxed{7}"], answer=["#### 42", "42", None])
     [1.0, 0.0, None]
     """
-    return [_score(committed_boxed(c), a) for c, a in zip(completions, answer, strict=True)]
+    texts = map(completion_text, completions)
+    return [_score(committed_boxed(c), a) for c, a in zip(texts, answer, strict=True)]
 
 
 @run_in_process(preload=["math_verify"])
 def answer_accuracy(
-    completions: list[str], answer: Sequence[object], **_: object
+    completions: list[Completion], answer: Sequence[object], **_: object
 ) -> list[float | None]:
     r"""1.0 when the boxed answer (``committed_boxed``), or without a box the last number,
     matches ``answer``.
@@ -261,7 +264,7 @@ def answer_accuracy(
     >>> answer_accuracy([r"\boxed{42}", "so it is 1,234.", "no idea"], answer=["42", "1234", "1"])
     [1.0, 1.0, 0.0]
     """
-    preds = [_boxed_or_last_number(c) for c in completions]
+    preds = [_boxed_or_last_number(completion_text(c)) for c in completions]
     return [_score(p, a) for p, a in zip(preds, answer, strict=True)]
 
 

@@ -153,7 +153,8 @@ def policy_update(preset: Preset, options: Options, sampling: Sampling) -> Polic
 
 def reward_combiner(rewards: Rewards, overlong: bool, sampling: Sampling) -> RewardCombiner:
     """The reward functions (default: boxed accuracy and format) with their weights, isolation,
-    timeout and NaN policy (``RewardCombiner``); DAPO's overlong penalty when ``overlong``."""
+    timeout, NaN policy and failure limits (``RewardCombiner``); DAPO's overlong penalty when
+    ``overlong``."""
     fns = (
         list(rewards.functions) if rewards.functions is not None else [boxed_accuracy, boxed_format]
     )
@@ -169,6 +170,9 @@ def reward_combiner(rewards: Rewards, overlong: bool, sampling: Sampling) -> Rew
         timeout_s=rewards.timeout_s,
         isolate=rewards.isolate,
         nan_policy=rewards.nan_policy,
+        max_failure_share=rewards.max_failure_share,
+        failure_window=rewards.failure_window,
+        max_abandoned_threads=rewards.max_abandoned_threads,
     )
 
 

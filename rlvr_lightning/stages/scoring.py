@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 from rlvr_lightning.rewards import RewardCombiner
+from rlvr_lightning.rewards.trl_contract import RewardState, conversational_rows
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
 
 
@@ -30,13 +29,20 @@ def score_rollouts(
     rollouts: Rollouts,
     accuracy_reward: str,
     threshold: float,
-    device: torch.device,
+    state: RewardState,
 ) -> Scored:
     """Run the reward functions; a row is correct when ``accuracy_reward`` >= ``threshold``.
-    The snapshot (``sampled_correct``/``sampled_rewards``) is taken here, before any hook."""
-    result = rewards(rollouts.completions, reward_columns(batch, rollouts))
+    Completions reach them as TRL's message lists where the data's prompt is a conversation
+    (a batch built by hand without a ``prompts`` column keeps strings); ``state`` is TRL's
+    ``trainer_state``. The snapshot (``sampled_correct``/``sampled_rewards``) is taken here,
+    before any hook."""
+    chat = conversational_rows(
+        [v for v in batch.columns.get("prompts", []) for _ in range(rollouts.group_size)] or None,
+        len(rollouts.completions),
+    )
+    result = rewards(rollouts.completions, reward_columns(batch, rollouts), chat, state)
     acc = result.per_function[accuracy_reward].nan_to_num(0.0)  # [N]
-    total, correct = result.total.to(device), acc >= threshold
+    total, correct = result.total.to(rollouts.completion_ids.device), acc >= threshold
     return Scored(
         rollouts=rollouts,
         rewards=total,

@@ -1,6 +1,6 @@
 """Misbehaving rewards in real runs: a signal stops the CLI within seconds whatever the reward
 does (and leaves no worker behind); a NaN reward stops ``fit`` with a message naming it, or is
-counted with ``reward_nan_policy: fail``; math-verify's own timeouts are on in the workers."""
+counted with ``rewards.nan_policy: fail``; math-verify's own timeouts are on in the workers."""
 
 from __future__ import annotations
 

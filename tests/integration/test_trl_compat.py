@@ -66,7 +66,15 @@ def test_trl_style_async_reward_trains_on_rows_without_an_answer(tmp_path, monke
     assert isinstance(first["prompt"], str) and first["prompt"].startswith("What is ")
     assert first["prompt"].endswith("Put the final answer in \\boxed{}.")
     assert all(isinstance(t, int) for t in first["ids"]) and first["ids"]
-    assert first["kwargs"] == ["completion_length", "topic"]  # dataset columns pass through
+    assert isinstance(first["completion"], str)  # a text prompt's completion is text
+    # Dataset columns pass through, and TRL's non-row arguments reach **kwargs as in TRL.
+    assert first["kwargs"] == [
+        "completion_length",
+        "log_extra",
+        "log_metric",
+        "topic",
+        "trainer_state",
+    ]
 
 
 def test_conversational_jsonl_prompts_are_the_chat_messages(tmp_path, monkeypatch):
@@ -82,7 +90,8 @@ def test_conversational_jsonl_prompts_are_the_chat_messages(tmp_path, monkeypatc
         f"--data.init_args.source={data}",
         "--data.init_args.system_prompt=Unused since the rows have their own",
     )
-    prompt = _seen(tmp_path)[0]["prompt"]
+    prompt, completion = _seen(tmp_path)[0]["prompt"], _seen(tmp_path)[0]["completion"]
+    assert completion == [{"role": "assistant", "content": completion[0]["content"]}]  # TRL's
     assert [m["role"] for m in prompt] == ["system", "user"]
     assert prompt[0]["content"] == "Be brief."  # the row's system turn wins
     assert prompt[1]["content"].endswith("+ 2?\n\nPut the final answer in \\boxed{}.")

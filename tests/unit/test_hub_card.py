@@ -183,3 +183,47 @@ def test_relative_local_paths_keep_only_their_last_part(tmp_path, monkeypatch):
         {"dirpath": "outputs/run/checkpoints", "repo": "org/name", "note": "a/b not here"}
     )
     assert cleaned == {"dirpath": "checkpoints", "repo": "org/name", "note": "a/b not here"}
+
+
+@pytest.mark.parametrize(
+    "local",
+    [
+        "file:///home/alice/runs/model.ckpt",
+        "file://localhost/home/alice/runs/model.ckpt",
+        "FILE:/home/alice/runs/model.ckpt",
+        "file:///C:/Users/alice/runs/model.ckpt",
+        "file:///home/alice/My%20Documents/runs",
+        "file:///home/alice/My Documents/runs",
+        "/home/alice/My Documents/runs",
+        "/home/alice/My Documents/Run 3/model",
+        "C:\\Users\\alice\\My Documents\\runs",
+        "'/home/alice/My Documents'",
+        '"file:///home/alice/My Documents"',
+        "`/home/alice/a b/c d`",
+        "~/runs/My Documents/x",
+    ],
+)
+def test_scrub_removes_file_urls_and_paths_with_spaces_whole(local):
+    out = model_card.scrub(f"saved in {local} and then more")
+    assert "alice" not in out and "Documents" not in out and "runs" not in out, out
+    assert "~" not in out
+    assert model_card.LOCAL_PATH in out
+    assert out.endswith(" and then more")  # the words after the path stay
+
+
+def test_clean_value_treats_a_file_url_as_a_local_path():
+    assert model_card.clean_value({"source": "file:///home/alice/d.jsonl"}) == {
+        "source": model_card.LOCAL_PATH
+    }
+
+
+def test_card_with_file_urls_and_spaced_paths_names_no_one(tmp_path):
+    facts = _facts(
+        tmp_path,
+        data_hparams={
+            "source": "file:///home/alice/data/train.jsonl",
+            "note": "copied from /home/alice/My Documents/sums to file:///srv/alice shared/x",
+        },
+    )
+    text = model_card.render_card(model_card.card_context(facts, _record()))
+    assert "alice" not in text and "My Documents" not in text and "shared/x" not in text

@@ -78,7 +78,12 @@ def test_columns_filtered_by_signature() -> None:
 
     combiner = RewardCombiner([named, takes_all])
     combiner(["a"], {"answer": ["a"], "solution": ["s"], "completion_length": [1]})
-    assert seen == {"named": {"answer"}, "takes_all": {"answer", "solution", "completion_length"}}
+    # **kwargs also catches TRL's non-row arguments, as GRPOTrainer passes them to every reward.
+    trl_args = {"trainer_state", "log_extra", "log_metric"}
+    assert seen == {
+        "named": {"answer"},
+        "takes_all": {"answer", "solution", "completion_length", *trl_args},
+    }
 
 
 def test_default_names() -> None:

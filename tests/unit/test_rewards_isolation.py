@@ -20,6 +20,7 @@ import torch
 from rlvr_lightning.rewards import (
     RewardCombiner,
     RewardContractError,
+    RewardFailureError,
     RewardWorkers,
     boxed_accuracy,
     boxed_format,
@@ -112,6 +113,16 @@ def test_worker_crash_counts_failures_and_is_replaced(workers: RewardWorkers) ->
     torch.testing.assert_close(result.total, torch.tensor([0.0, 0.0]))
     assert result.metrics["reward/crash/failures"] == 2.0
     assert pid_of_worker(workers) > 0
+
+
+def test_a_worker_that_dies_on_every_batch_stops_the_run(workers: RewardWorkers) -> None:
+    combiner = RewardCombiner([faults.crash], workers=workers, failure_window=2)
+    combiner(["a", "b"], {})  # one lost batch is not judged: the window needs two
+    with pytest.raises(RewardFailureError) as info:
+        combiner(["a", "b"], {})
+    message = str(info.value)
+    assert "'crash' failed or timed out on 4 of 4 rows over the last 2 batches" in message
+    assert "first error: its worker process died" in message
 
 
 def test_contract_checked_on_worker_results(workers: RewardWorkers) -> None:
