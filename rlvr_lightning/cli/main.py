@@ -175,7 +175,8 @@ def build_cli(
 def _import_from_cwd() -> None:
     # `python -m rlvr_lightning.cli.main` puts the working directory first on sys.path; the console
     # script puts its bin folder there instead. Do what `python -m` does, so a config's
-    # `rewards: {functions: [my_rewards.fn]}` imports `my_rewards.py` from the folder the user runs in.
+    # `rewards: {functions: [my_rewards.fn]}`
+    # imports `my_rewards.py` from the folder the user runs in.
     cwd = os.getcwd()
     if not any(p in ("", cwd) for p in sys.path):
         sys.path.insert(0, cwd)

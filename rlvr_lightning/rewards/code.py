@@ -289,6 +289,6 @@ def code_tests_pass(
 ) -> list[float | None]:
     """Fraction of ``tests`` passed, with :class:`CodeTestsReward`'s defaults; None without tests.
 
-    For other settings (all-or-nothing, limits) put ``CodeTestsReward(...)`` in ``rewards.functions``.
+    For other settings (all-or-nothing, limits) put ``CodeTestsReward(...)`` in ``reward_fns``.
     """
     return _default_reward()(completions, tests)
