@@ -173,6 +173,34 @@ def landlock(ro, rw, devices):
     check(syscall(446, ruleset, 0), "landlock_restrict_self")
 
 
+# seccomp: (arch, socket(2) number); a snippet may not create sockets at all (socketpair(2), the
+# harness's channel, stays), nor use io_uring (whose socket op would bypass it) or x32 calls.
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+IO_URING_SETUP = 425
+
+
+def no_sockets():
+    arch, socket_nr = SECCOMP_ARCH[os.uname().machine]
+    deny = 0x00050000 | 13  # SECCOMP_RET_ERRNO | EACCES
+    program = [
+        (0x20, 0, 0, 4),  # A = seccomp_data.arch
+        (0x15, 1, 0, arch),  # a foreign ABI (i386 socketcall) ...
+        (0x06, 0, 0, 0x80000000),  # ... kills the process
+        (0x20, 0, 0, 0),  # A = seccomp_data.nr
+        (0x35, 0, 1, 0x40000000),  # x32 numbers are refused
+        (0x06, 0, 0, deny),
+        (0x15, 0, 1, socket_nr),
+        (0x06, 0, 0, deny),
+        (0x15, 0, 1, IO_URING_SETUP),
+        (0x06, 0, 0, deny),
+        (0x06, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    ]
+    code = b"".join(struct.pack("HBBI", *insn) for insn in program)
+    filters = ctypes.create_string_buffer(code, len(code))
+    fprog = struct.pack("HxxxxxxP", len(program), ctypes.addressof(filters))
+    check(libc.prctl(22, 2, ctypes.create_string_buffer(fprog, len(fprog)), 0, 0), "seccomp")
+
+
 def become_child(stdin_fd, stdout_fd, chan_fd):
     # Runs in the forked child before it execs the harness; any failure ends it with 127.
     os.setpgid(0, 0)
@@ -193,6 +221,7 @@ def become_child(stdin_fd, stdout_fd, chan_fd):
     if job["landlock"]:
         readable = job["binds"] + (["/proc"] if job["namespaces"] else [])  # its own /proc only
         landlock(readable, [os.getcwd()], ["/dev/" + n for n in DEVICES])
+    no_sockets()
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     os.execve(sys.executable, [sys.executable, "-I", "-c", job["child"]], dict(os.environ))

@@ -3,7 +3,10 @@
 ``tests`` column, one entry per row (``None`` or empty: the row scores ``None``, not applicable):
 
 - ``list[str]``: each string is one test case, Python code run after the solution in the same
-  namespace; it passes when it raises nothing (typically one ``assert`` statement).
+  namespace; it passes when it raises nothing (typically one ``assert`` statement). In
+  ``assert <expr> <op> <literal>`` the value of ``<expr>`` must be plain data (None, bool,
+  numbers, str, bytes, and lists, tuples, sets, dicts of them; subclasses count as their base):
+  the trainer, not the sandbox, compares it with the literal.
 - ``str``: one test case of Python code, or a JSON object as below.
 - ``{"inputs": [...], "outputs": [...]}`` (APPS/TACO style): the solution runs as a program once
   per pair with the input on stdin; it passes when its stdout equals the output after stripping
@@ -40,9 +43,11 @@ host files cannot be read, listed or written (``/run/lock``, ``/tmp``, ``/dev/sh
 outside the sandbox or reach abstract unix sockets. Without Landlock it can do whatever its
 user may (documented; ``auto`` warns). Landlock is applied in namespace mode too.
 
-Neither mode makes the snippet's own interpreter trustworthy: a snippet that hooks it can answer
-"done" for test statements that are not ``assert`` comparisons against a literal (see
-``code_judge``). Train on untrusted models inside a container or VM as well.
+Neither mode makes the snippet's own interpreter trustworthy: a snippet that hooks it can fake
+the answers to test statements that are not ``assert <expr> <op> <literal>`` (a bare assert's
+truth value, "done" for other statements; see ``code_judge``). Every snippet process also gets a
+seccomp filter that refuses ``socket()`` and io_uring (``socketpair()`` stays). Train on
+untrusted models inside a container or VM as well.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ everything is just an unknown type. ``assert <expr>`` / ``assert not <expr>`` as
 truth value. Every other statement (an assignment, a ``for`` loop of asserts, ``check(f)``) is
 run as it is and answers "done"; each question carries a fresh random id. A snippet that exits
 early, writes to any descriptor or kills its parent answers nothing or the wrong thing; what it
-can still do is answer the questions correctly, i.e. compute the values. The weak spot is the
-last kind: a snippet that hooks the interpreter to answer "done" for a statement it never ran
-passes that statement, so datasets of plain ``assert f(x) == y`` tests are the strong case.
+can still do is answer the questions correctly, i.e. compute the values. The weak spots are the
+truth values and "done": a snippet that hooks its interpreter to answer True, or "done" for a
+statement it never ran, passes those, so plain ``assert f(x) == y`` tests are the strong case.
 Programs (stdin/stdout cases) pass on exit status 0 and stdout equal to the expected output,
 which also stays with the trainer.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -236,3 +237,70 @@ def test_concurrent_rows_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     for caller in callers:
         caller.join()
     assert peak[0] == 2  # 9 rows from 3 threads, never more than max_workers at once
+
+
+def test_mounts_stay_locked_in_a_further_user_namespace(mode: CodeTestsReward) -> None:
+    # As it starts, and after it made a user namespace of its own (every capability in it),
+    # the snippet's mounts must refuse umount, a read-write remount and a new /proc.
+    attack = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def attempts():
+    tries = [libc.umount2(p, 2) for p in (b"/tmp", b"/proc", b"/", b"/usr", b"/dev")]
+    tries.append(libc.mount(None, b"/", None, 32, None))  # MS_REMOUNT read-write
+    tries.append(libc.mount(None, b"/usr", None, 32 | 4096, None))  # MS_REMOUNT | MS_BIND
+    tries.append(libc.mount(b"proc", b"/tmp", b"proc", 0, None))
+    return tries
+before = attempts()
+libc.unshare(0x10000000 | 0x20000)  # CLONE_NEWUSER | CLONE_NEWNS; may fail, that is fine too
+after = attempts()
+assert all(t != 0 for t in before + after), (before, after)
+"""
+    assert _score(mode, attack) == 1.0
+
+
+def test_runner_cannot_be_traced_or_read(mode: CodeTestsReward) -> None:
+    attack = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+runner = os.getppid()
+assert libc.ptrace(16, runner, 0, 0) != 0  # PTRACE_ATTACH
+for path in (f"/proc/{runner}/mem", f"/proc/{runner}/environ"):
+    try:
+        open(path, "rb").read(1)
+        raise SystemExit(1)
+    except OSError:
+        pass
+pidfd = libc.syscall(434, runner, 0)  # pidfd_open, then pidfd_getfd of its descriptor 1
+assert pidfd < 0 or libc.syscall(438, pidfd, 1, 0) < 0
+"""
+    assert _score(mode, attack) == 1.0
+
+
+def test_nothing_is_writable_but_the_work_dir(mode: CodeTestsReward) -> None:
+    attack = (
+        "import os\nwritten = []\n"
+        "for path in ('/x', '/etc/x', '/usr/x', '/dev/x', '/proc/x', os.environ['HOME'] + '/x'):\n"
+        "    try:\n        open(path, 'w').write('x')\n        written.append(path)\n"
+        "    except OSError:\n        pass\n"
+        "assert written == [os.environ['HOME'] + '/x'], written"
+    )
+    assert _score(mode, attack) == 1.0
+
+
+def test_no_sockets(mode: CodeTestsReward) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        server.settimeout(0.2)
+        attack = (
+            "import socket\na, b = socket.socketpair()\n"  # the harness's kind stays available
+            "for family, kind in ((socket.AF_INET, socket.SOCK_STREAM),\n"
+            "                     (socket.AF_INET, socket.SOCK_DGRAM), (socket.AF_UNIX, 1)):\n"
+            "    try:\n        s = socket.socket(family, kind)\n"
+            f"        s.connect(('127.0.0.1', {port}) if family == socket.AF_INET else '/x')\n"
+            "        raise SystemExit(1)\n"
+            "    except PermissionError:\n        pass\n"
+        )
+        assert _score(mode, attack) == 1.0
+        with pytest.raises(TimeoutError):
+            server.accept()
