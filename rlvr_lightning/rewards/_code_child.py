@@ -1,5 +1,5 @@
-# The per-case harness of ``rewards/code.py``: exec'd by the runner (``_code_runner.py``) as
-# ``python -I -c <this file's text>`` inside the sandbox (never imported). Descriptor 3 is its
+# The per-case harness of ``rewards/code.py``: run by the runner (``_code_runner.py``) with
+# ``exec`` in each test case's forked, locked-down child (never imported). Descriptor 3 is its
 # only channel: the first line is the solution, each later line one step of the test, and each
 # answer is a line back. The model code runs in this process and may rewrite all of it; that
 # is why answers carry values (the expected ones stay with the trainer), never pass flags.
@@ -54,6 +54,8 @@ def reply(message):
 
 
 def main():
+    sys.stdin, sys.stdout = open(0, closefd=False), open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
     channel = open(3, "rb", closefd=False)
     first = json.loads(channel.readline())
     scope = {"__name__": "__main__", "__builtins__": __builtins__}

@@ -1,10 +1,9 @@
 # The sandbox runner of ``rewards/code.py``, started by ``rewards/sandbox.py`` as
 # ``python -I -c <this file's text>`` (never imported). It reads the job as JSON on stdin, runs
-# each test case in a fresh child (``_code_child.py``, exec'd, so it inherits none of this
-# process's memory), relays the child's answers and prints them as JSON. It never runs model
-# code and is not dumpable, so a snippet cannot ptrace it or open its descriptors; the verdict is
-# computed by the trainer from the answers (values, not pass flags), so nothing the snippet
-# writes anywhere can pass a test it fails.
+# each test case in a forked child (which runs ``_code_child.py``), relays the child's answers
+# and prints them as JSON. It never runs model code and is not dumpable, so a snippet cannot
+# ptrace it or open its descriptors; the trainer computes the verdict from the answers (values,
+# not pass flags), so nothing the snippet writes anywhere can pass a test it fails.
 #
 # Namespace mode: this process makes a user, mount, network, PID, IPC and UTS namespace, forks
 # the runner as PID 1 of it, builds a new root (read-only binds of the system paths, a private
@@ -201,9 +200,22 @@ def no_sockets():
     check(libc.prctl(22, 2, ctypes.create_string_buffer(fprog, len(fprog)), 0, 0), "seccomp")
 
 
+def drop_capabilities():
+    # The creator of a user namespace holds every capability in it: give them all up (bounding
+    # and ambient sets too), as an exec by a non-root uid would.
+    for cap in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
+        check(libc.prctl(24, cap, 0, 0, 0), "PR_CAPBSET_DROP")
+    check(libc.prctl(47, 4, 0, 0, 0), "PR_CAP_AMBIENT_CLEAR_ALL")
+    header = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0), 8)  # version 3
+    check(libc.capset(header, ctypes.create_string_buffer(24)), "capset")
+
+
 def become_child(stdin_fd, stdout_fd, chan_fd):
-    # Runs in the forked child before it execs the harness; any failure ends it with 127.
+    # Runs in the forked child, then runs the harness (``_code_child.py``) in it. Forked, not
+    # exec'd: this process holds no expected value, so there is nothing here to find, and a
+    # fork costs ~1 ms where a fresh interpreter costs 10-40. Any failure ends it with 127.
     os.setpgid(0, 0)
+    dumpable(1)  # the runner's flag is not the child's: its own /proc/self stays its own
     for fd, target in (
         (stdin_fd, 0),
         (stdout_fd, 1),
@@ -214,9 +226,9 @@ def become_child(stdin_fd, stdout_fd, chan_fd):
         os.set_inheritable(target, True)
     os.closerange(4, 1 << 16)
     if job["namespaces"]:  # a user + mount namespace of its own: every mount above is locked
-        dumpable(1)  # /proc/self/*_map of a non-dumpable process belong to the host's root
         check(libc.unshare(NEWUSER | NEWNS), "unshare")
         map_ids(INNER_ID, 0, 0)
+        drop_capabilities()
     check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
     if job["landlock"]:
         readable = job["binds"] + (["/proc"] if job["namespaces"] else [])  # its own /proc only
@@ -224,7 +236,8 @@ def become_child(stdin_fd, stdout_fd, chan_fd):
     no_sockets()
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
-    os.execve(sys.executable, [sys.executable, "-I", "-c", job["child"]], dict(os.environ))
+    exec(compile(job["child"], "harness.py", "exec"), {"__name__": "harness"})
+    os._exit(0)
 
 
 def sweep():

@@ -75,8 +75,11 @@ def test_correct_solution_scores_one(mode: CodeTestsReward) -> None:
 
 
 def test_snippet_has_no_capabilities(mode: CodeTestsReward) -> None:
-    check = "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0]\n"
-    probe = check + "assert int(caps.split()[1], 16) == 0"
+    probe = (
+        "sets = {l.split(':')[0]: int(l.split()[1], 16) for l in open('/proc/self/status')\n"
+        "        if l.startswith('Cap')}\n"
+        "assert sets and not any(sets.values()), sets"  # effective, permitted, bounding, ...
+    )
     if not mode.setup().namespaces:  # /proc is out of reach there; nobody has no caps anyway
         probe = "import os\nassert os.geteuid() != 0"
     assert _score(mode, probe) == 1.0
