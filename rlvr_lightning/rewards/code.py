@@ -22,9 +22,9 @@ at most ``max_workers`` rows at once per reward object, with RLIMIT_CPU, RLIMIT_
 RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE, RLIMIT_CORE=0 and no_new_privs on every snippet
 process, a wall-clock deadline per test case and per row after which everything is SIGKILLed,
 a minimal environment and, as root, the host uid ``nobody`` (65534). Each test case runs in a
-freshly exec'd interpreter that holds only the solution and the questions of its case: the
-expected values stay in the trainer (see ``rewards/code_judge.py``), and the runner that
-relays the answers never runs model code and cannot be ptraced, so writing to descriptors,
+child forked from the sandbox's runner that gets only the solution and the questions of its
+case: the expected values stay in the trainer (see ``rewards/code_judge.py``), and the runner
+that relays the answers never runs model code and cannot be ptraced, so writing to descriptors,
 exiting early, killing the runner or printing a verdict cannot pass a failing test.
 
 With ``isolation="namespaces"`` (picked by ``"auto"`` where unprivileged user namespaces work)

@@ -307,3 +307,13 @@ def test_no_sockets(mode: CodeTestsReward) -> None:
         assert _score(mode, attack) == 1.0
         with pytest.raises(TimeoutError):
             server.accept()
+
+
+def test_hidden_paths_are_empty_in_namespace_mode() -> None:
+    reward = CodeTestsReward(isolation="namespaces", hidden_paths=["/etc/ssl"], **FAST)
+    try:
+        reward.setup()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    assert os.listdir("/etc/ssl")  # there is something to hide on the host
+    assert _score(reward, "import os\nassert os.listdir('/etc/ssl') == []") == 1.0
