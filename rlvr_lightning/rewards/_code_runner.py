@@ -172,14 +172,18 @@ def landlock(ro, rw, devices):
     check(syscall(446, ruleset, 0), "landlock_restrict_self")
 
 
-# seccomp: (arch, socket(2) number); a snippet may not create sockets at all (socketpair(2), the
-# harness's channel, stays), nor use io_uring (whose socket op would bypass it) or x32 calls.
-SECCOMP_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
-IO_URING_SETUP = 425
+# seccomp: refused calls per architecture (audit arch; socket, io_uring_setup, shmget, semget,
+# msgget, mq_open). No sockets at all (socketpair(2), the harness's channel, stays; io_uring's
+# socket op would bypass the check), and no SysV / POSIX IPC objects, which would outlive the
+# row in the host's IPC namespace (rlimits mode) and hold memory outside its cgroup.
+SECCOMP_DENY = {
+    "x86_64": (0xC000003E, (41, 425, 29, 64, 68, 240)),
+    "aarch64": (0xC00000B7, (198, 425, 194, 190, 186, 180)),
+}
 
 
-def no_sockets():
-    arch, socket_nr = SECCOMP_ARCH[os.uname().machine]
+def seccomp_filter():
+    arch, numbers = SECCOMP_DENY[os.uname().machine]
     deny = 0x00050000 | 13  # SECCOMP_RET_ERRNO | EACCES
     program = [
         (0x20, 0, 0, 4),  # A = seccomp_data.arch
@@ -188,12 +192,10 @@ def no_sockets():
         (0x20, 0, 0, 0),  # A = seccomp_data.nr
         (0x35, 0, 1, 0x40000000),  # x32 numbers are refused
         (0x06, 0, 0, deny),
-        (0x15, 0, 1, socket_nr),
-        (0x06, 0, 0, deny),
-        (0x15, 0, 1, IO_URING_SETUP),
-        (0x06, 0, 0, deny),
-        (0x06, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
     ]
+    for number in numbers:
+        program += [(0x15, 0, 1, number), (0x06, 0, 0, deny)]
+    program.append((0x06, 0, 0, 0x7FFF0000))  # SECCOMP_RET_ALLOW
     code = b"".join(struct.pack("HBBI", *insn) for insn in program)
     filters = ctypes.create_string_buffer(code, len(code))
     fprog = struct.pack("HxxxxxxP", len(program), ctypes.addressof(filters))
@@ -233,7 +235,7 @@ def become_child(stdin_fd, stdout_fd, chan_fd):
     if job["landlock"]:
         readable = job["binds"] + (["/proc"] if job["namespaces"] else [])  # its own /proc only
         landlock(readable, [os.getcwd()], ["/dev/" + n for n in DEVICES])
-    no_sockets()
+    seccomp_filter()
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     exec(compile(job["child"], "harness.py", "exec"), {"__name__": "harness"})

@@ -64,8 +64,23 @@ def find_parent() -> CgroupParent | None:
         except OSError:
             continue
         probe.remove()
+        _remove_stale(parent)
         return parent
     return None
+
+
+def _remove_stale(parent: CgroupParent) -> None:
+    """Delete the empty row cgroups left by trainers that died mid-row (named by their pid)."""
+    for folder in parent.path.glob("rlvr-code-*-*"):
+        try:
+            os.kill(int(folder.name.split("-")[2]), 0)
+        except ProcessLookupError:
+            try:
+                folder.rmdir()
+            except OSError:  # still has processes: their deadline will end them
+                pass
+        except (ValueError, OSError):
+            pass
 
 
 class RowCgroup:

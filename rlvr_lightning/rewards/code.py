@@ -46,7 +46,8 @@ user may (documented; ``auto`` warns). Landlock is applied in namespace mode too
 Neither mode makes the snippet's own interpreter trustworthy: a snippet that hooks it can fake
 the answers to test statements that are not ``assert <expr> <op> <literal>`` (a bare assert's
 truth value, "done" for other statements; see ``code_judge``). Every snippet process also gets a
-seccomp filter that refuses ``socket()`` and io_uring (``socketpair()`` stays). Train on
+seccomp filter that refuses ``socket()``, io_uring and SysV / POSIX IPC objects
+(``socketpair()`` and pipes stay). Train on
 untrusted models inside a container or VM as well.
 """
 

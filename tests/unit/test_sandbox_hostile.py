@@ -291,6 +291,16 @@ def test_nothing_is_writable_but_the_work_dir(mode: CodeTestsReward) -> None:
     assert _score(mode, attack) == 1.0
 
 
+def test_no_ipc_objects_that_outlive_the_row(mode: CodeTestsReward) -> None:
+    attack = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "made = [libc.shmget(0, 4096, 0o1600), libc.msgget(0, 0o1600), libc.semget(0, 1, 0o1600),\n"
+        "        libc.mq_open(b'/rlvr-escape', 0o102, 0o600, None)]\n"  # O_CREAT | O_RDWR
+        "assert made == [-1] * 4, made"
+    )
+    assert _score(mode, attack) == 1.0
+
+
 def test_no_sockets(mode: CodeTestsReward) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
