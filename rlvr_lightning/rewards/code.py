@@ -47,8 +47,7 @@ Neither mode makes the snippet's own interpreter trustworthy: a snippet that hoo
 the answers to test statements that are not ``assert <expr> <op> <literal>`` (a bare assert's
 truth value, "done" for other statements; see ``code_judge``). Every snippet process also gets a
 seccomp filter that refuses ``socket()``, io_uring and SysV / POSIX IPC objects
-(``socketpair()`` and pipes stay). Train on
-untrusted models inside a container or VM as well.
+(``socketpair()`` and pipes stay). Train on untrusted models inside a container or VM as well.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from rlvr_lightning.rewards.cgroup import find_parent
-from rlvr_lightning.rewards.code_judge import judge_steps, plan_test, same_output
+from rlvr_lightning.rewards.code_judge import Check, judge_steps, plan_test, same_output
 from rlvr_lightning.rewards.sandbox import (
     SYSTEM_PATH,
     Setup,
@@ -232,22 +231,11 @@ class CodeTestsReward:
         job = self._job(code, cases, [p[0] if p else None for p in plans], setup.namespaces)
         with self._rows:
             results = run_sandbox(setup, job, self.uid, self.timeout_s, self.memory_mb << 20)
-        passed = []
-        for (_, _, want), plan, result in zip(
-            cases, plans, results or [None] * len(cases), strict=True
-        ):
-            if result is None:
-                passed.append(False)
-            elif plan is None:  # a program: exit status 0 and the expected stdout
-                passed.append(
-                    result.get("exit") == 0 and same_output(str(result.get("out")), want or "")
-                )
-            else:
-                answers = result.get("answers")
-                passed.append(
-                    isinstance(answers, list) and judge_steps(*plan, [str(a) for a in answers])
-                )
-        return passed
+        results = results or [None] * len(cases)
+        return [
+            _judge(want, plan, result)
+            for (_, _, want), plan, result in zip(cases, plans, results, strict=True)
+        ]
 
     def setup(self) -> Setup:
         """Pick the interpreter and the isolation mode on first use (probes run a sandbox)."""
@@ -328,6 +316,20 @@ class CodeTestsReward:
             f"{type(self).__name__}(mode={self.mode!r}, timeout_s={self.timeout_s}, "
             f"case_timeout_s={self.case_timeout_s}, isolation={self.isolation!r})"
         )
+
+
+def _judge(
+    want: str | None,
+    plan: tuple[list[dict[str, str]], list[Check]] | None,
+    result: dict[str, Any] | None,
+) -> bool:
+    """One case's verdict from the sandbox's result (None: the case never finished)."""
+    if result is None:
+        return False
+    if plan is None:  # a program: exit status 0 and the expected stdout
+        return result.get("exit") == 0 and same_output(str(result.get("out")), want or "")
+    answers = result.get("answers")
+    return isinstance(answers, list) and judge_steps(*plan, [str(a) for a in answers])
 
 
 @functools.cache

@@ -1,9 +1,9 @@
 """Process side of ``rewards/code.py``: start one row's sandbox, read its answers, kill it.
 
 The limits and isolation modes are described in ``code.py``'s docstring; this module holds the
-command that starts the runner (``_code_runner.py``, which execs ``_code_child.py`` per test
-case), the per-row working directory and memory cgroup, and the teardown that kills every
-process the row left behind.
+command that starts the runner (``_code_runner.py``, which runs ``_code_child.py`` in a forked
+child per test case), the per-row working directory and memory cgroup, and the teardown that
+kills every process the row left behind.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # in namespace mode and refused by Landlock in rlimits mode.
 SYSTEM_BINDS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
-# Run inside the sandbox as `python -I -c`; read once here, so the sandbox user never needs
-# access to the installed package.
+# Run inside the sandbox (the runner as `python -I -c`, the harness by the runner's exec);
+# read once here, so the sandbox user never needs access to the installed package.
 RUNNER = (Path(__file__).parent / "_code_runner.py").read_text()
 CHILD = (Path(__file__).parent / "_code_child.py").read_text()
 
