@@ -32,7 +32,9 @@ libc = ctypes.CDLL(None, use_errno=True)
 job = json.loads(sys.stdin.read())
 for _extra in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))):
     # the interpreter's own tree, read-only, where it is not under a system path already
-    if not any(_extra == b or _extra.startswith(b.rstrip("/") + "/") for b in job["binds"]):
+    if _extra != "/" and not any(
+        _extra == b or _extra.startswith(b.rstrip("/") + "/") for b in job["binds"]
+    ):
         job["binds"].append(_extra)
 
 
@@ -170,6 +172,7 @@ def landlock(ro, rw, devices):
             check(syscall(445, ruleset, 1, rule, 0), "landlock_add_rule " + path)
             os.close(fd)
     check(syscall(446, ruleset, 0), "landlock_restrict_self")
+    os.close(ruleset)
 
 
 # seccomp: refused calls per architecture (audit arch; socket, io_uring_setup, shmget, semget,
