@@ -185,10 +185,9 @@ def test_working_directory_is_fresh_and_the_environment_minimal(
 def test_secret_outside_the_sandbox_is_unreadable(
     any_sandbox: CodeTestsReward, tmp_path: Path
 ) -> None:
-    if not any_sandbox.setup().namespaces and os.geteuid() != 0:
-        pytest.skip(
-            "rlimits only, same user: reading the user's files is not prevented (documented)"
-        )
+    setup = any_sandbox.setup()
+    if not (setup.namespaces or setup.landlock) and os.geteuid() != 0:
+        pytest.skip("rlimits without Landlock, same user: the user's files are readable")
     secret = tmp_path / "secret.txt"
     secret.write_text("s3cret")
     if any_sandbox.setup().namespaces:  # world-readable: only the tmpfs over /tmp can hide it
