@@ -37,7 +37,7 @@ def test_raising_on_every_row_stops_naming_function_error_and_fix() -> None:
     assert "TypeError: 'in <string>' requires string as left operand, not int" in first
     assert "(at test_rewards_failures.py:" in first
     assert fix.startswith("Fix: make the function return 0.0 (or None")
-    assert "max_failure_share=None" in fix
+    assert "rewards.max_failure_share: null" in fix
 
 
 def test_a_missing_column_caught_by_kwargs_stops_too() -> None:
@@ -170,7 +170,7 @@ def test_spinning_thread_reward_reported_once_then_stops(
     message = str(info.value)
     assert "'spin' ran past timeout_s=0.1 in 2 calls whose threads are still running" in message
     assert "max_abandoned_threads=2" in message
-    assert "reward_isolate" in message  # the fix
+    assert "rewards.isolate" in message  # the fix
 
 
 def slow(completions: list[str]) -> list[float]:
@@ -187,8 +187,8 @@ def test_a_slow_call_that_finishes_does_not_count_toward_the_stop(
             result = combiner(["a"], {})
             time.sleep(0.5)  # the abandoned thread returns in the meantime
     assert result.metrics["reward/slow/timeouts"] == 3.0
-    # A module-level function: the fix names reward_isolate / run_in_process directly.
-    assert "list 'slow' in reward_isolate" in caplog.text
+    # A module-level function: the fix names rewards.isolate / run_in_process directly.
+    assert "list 'slow' in model.init_args.rewards.isolate" in caplog.text
 
 
 def test_timing_out_on_most_batches_stops_like_failing() -> None:
