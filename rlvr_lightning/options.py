@@ -195,7 +195,7 @@ class OffPolicy:
     """Injected (off-policy) group members: their loss and baseline.
 
     Args:
-        weighting: loss weighting of injected tokens (``algorithms.losses
+        weighting: loss weighting of injected tokens (``algorithms.offpolicy_losses
             .offpolicy_token_loss``): ``shaping`` (LUFFY/ExGRPO ``f(w) = w/(w+gamma)``),
             ``mis`` (RL-PLUS) or ``on_policy`` (ratio 1, an advantage-weighted SFT term).
         gamma: ``gamma`` of the shaping (0.1 in LUFFY and ExGRPO).
@@ -229,9 +229,9 @@ class Options:
 
 
 GROUPS: dict[str, type] = {
-    f.name: Options.__dataclass_fields__[f.name].default.__class__
-    for f in dataclasses.fields(Options)
-}
+    "rewards": Rewards, "loss": Loss, "selection": Selection, "update": Update, "lora": LoRA,
+    "correction": Correction, "offpolicy": OffPolicy,
+}  # fmt: skip
 
 # The keys of the ungrouped signature whose name changed with their group.
 _RENAMED = {
@@ -245,7 +245,8 @@ _RENAMED = {
     "offpolicy_exploration": "offpolicy.exploration", "offpolicy_baseline": "offpolicy.baseline",
 }  # fmt: skip
 _KEPT_NAMES = ("rewards", "loss", "selection", "update", "correction")
-# Every key that stood at the top level of ``RLVRModule`` before the groups -> group.field.
+# A group's field named at the top level -> group.field: every key of the ungrouped signature,
+# and the fields added since (so a newer key in the old place is pointed to its group too).
 MOVED: dict[str, str] = {
     **{
         f.name: f"{group}.{f.name}"
