@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlvr_lightning import models
+from rlvr_lightning.dropout import disable_dropout
 from rlvr_lightning.heads import ProbeHead, ValueHead
 from rlvr_lightning.presets import Preset
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
@@ -98,10 +99,18 @@ def _head(factory: Callable[[int], Any] | None, policy: Any, cls: type, key: str
 
 
 def policy_and_tokenizer(
-    name: str, dtype: str, lora_rank: int, lora_alpha: float, lora_targets: list[str] | str
+    name: str,
+    dtype: str,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_targets: list[str] | str,
+    keep_dropout: bool = False,
 ) -> tuple[Any, Any]:
-    """The trainable policy (LoRA-wrapped when ``lora_rank > 0``) and its left-padding tokenizer."""
+    """The trainable policy (LoRA-wrapped when ``lora_rank > 0``) and its left-padding tokenizer;
+    every dropout rate 0 unless ``keep_dropout`` (``dropout.disable_dropout``)."""
     policy, tokenizer = models.load_policy(name, dtype)
+    if not keep_dropout:
+        disable_dropout(policy)  # the reference and the heads' trunk are this model or its copy
     tokenizer.padding_side = "left"
     policy.train()
     if lora_rank > 0:

@@ -21,7 +21,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import (
     BasePredictionWriter,
     Callback,
-    ModelCheckpoint,
     ProgressBar,
 )
 from lightning.pytorch.cli import LightningCLI
@@ -30,11 +29,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torchmetrics import Metric
 
-from rlvr_lightning import checkpointing, cli_errors
+from rlvr_lightning import checkpoint_files, checkpointing, cli_errors
 from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
 from rlvr_lightning.command import COMMANDS, TRAINER_COMMANDS, print_overview
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
+from rlvr_lightning.watchers import with_watchers
 
 
 class RLVRCLI(LightningCLI):
@@ -64,6 +64,7 @@ class RLVRCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         config = {**config, "plugins": checkpointing.with_atomic_io(config.get("plugins"))}
         callbacks = with_step_progress(config, checkpointing.with_guard(callbacks))
+        callbacks = with_watchers(config, callbacks)  # MemoryGuard, CollectiveWatch
         if self.subcommand == "predict":
             callbacks = with_prediction_writer(config, callbacks)
         return super()._instantiate_trainer(config, callbacks)
@@ -76,9 +77,11 @@ class RLVRCLI(LightningCLI):
     def fit(self, model: RLVRModule, **kwargs: Any) -> None:
         # `ckpt_path: last` is meant to be set once and kept ("resume if there is one"); on the
         # first run Lightning warns that there is none, so say it once, calmly, instead.
-        if kwargs.get("ckpt_path") == "last" and not _has_last_checkpoint(self.trainer):
-            rank_zero_info("ckpt_path=last: no checkpoint yet, training starts from step 0.")
-            kwargs["ckpt_path"] = None
+        # "last" is the last*.ckpt with the highest step (Lightning: the newest file time).
+        if kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = checkpoint_files.resolve_last(self.trainer)
+            if kwargs["ckpt_path"] is None:
+                rank_zero_info("ckpt_path=last: no checkpoint yet, training starts from step 0.")
         self.trainer.fit(model, **kwargs)
 
     def before_fit(self) -> None:
@@ -118,15 +121,6 @@ def with_prediction_writer(config: dict[str, Any], callbacks: list[Callback]) ->
         return callbacks
     root = config.get("default_root_dir") or os.getcwd()
     return [*callbacks, PredictionWriter(os.path.join(root, "predictions.jsonl"))]
-
-
-def _has_last_checkpoint(trainer: Trainer) -> bool:
-    """Whether Lightning's ``ckpt_path="last"`` would find a file (its own lookup)."""
-    found: set[str] = set()
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            found |= callback._find_last_checkpoints(trainer)
-    return any(os.path.exists(path) for path in found)
 
 
 def reset_metric_states(module: Module) -> None:

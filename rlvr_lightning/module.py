@@ -123,6 +123,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         lora_rank: LoRA rank; 0 trains all parameters.
         lora_alpha: LoRA alpha.
         lora_target_modules: modules LoRA wraps (peft names or ``all-linear``).
+        keep_dropout: keep the model's dropout; by default every rate is set to 0 at load, as
+            TRL does (dropout makes ``pi / pi_old`` differ from 1 on on-policy tokens).
         max_nonfinite_steps: consecutive skipped non-finite updates before training stops.
         max_steps_without_update: consecutive rollout steps without an optimiser step (every
             group filtered out) before training stops with an error, since ``max_steps``
@@ -206,6 +208,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | str = "all-linear",
+        keep_dropout: bool = False,
         max_nonfinite_steps: int = 3,
         max_steps_without_update: int | None = 50,
         engine: Literal["hf", "vllm", "auto"] = "hf",
@@ -233,7 +236,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         self.informative: InformativeBy = informative or preset.informative
         self.sampling, self.val_sampling = sampling, val_sampling
         self.policy, self.tokenizer = build.policy_and_tokenizer(
-            policy, dtype, lora_rank, lora_alpha, lora_target_modules
+            policy, dtype, lora_rank, lora_alpha, lora_target_modules, keep_dropout
         )
         self.value_head = build.value_head(value_head, self.policy)  # a submodule: checkpointed
         self.probe_head = build.probe_head(probe_head, self.policy)  # buffers: checkpointed

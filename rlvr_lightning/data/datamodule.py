@@ -37,6 +37,7 @@ from rlvr_lightning.data.mixture import (
     test_specs,
     validate_source,
 )
+from rlvr_lightning.data.prompt_room import check_prompt_room
 from rlvr_lightning.data.prompts import collate_examples, source_columns, to_messages
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
@@ -230,9 +231,10 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def _prompt_limit(self) -> tuple[int, str] | None:
         """The prompt token limit and the reason the warning gives; None: no limit."""
-        if self.max_prompt_tokens is not None:
-            return self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
         module = None if self.trainer is None else self.trainer.lightning_module
+        if self.max_prompt_tokens is not None:
+            check_prompt_room(self.max_prompt_tokens, module, self._template_tokens)
+            return self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
         return model_prompt_limit(module, self._template_tokens)
 
     def _template_tokens(self, tokenizer: Any) -> int:

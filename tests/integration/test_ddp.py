@@ -15,10 +15,11 @@ SCRIPT = str(Path(__file__).with_name("ddp_scripts.py"))
 TIMEOUT_S = 300  # two CPU processes import torch and Lightning in ~30 s on a loaded machine
 
 
-def _run_all(commands: list[list[str]], cwd: Path) -> None:
+def _run_all(commands: list[list[str]], cwd: Path, code: int = 0) -> str:
     """Run ``commands`` concurrently in their own process groups, each writing to its own log
     file (a full pipe would block a rank inside a collective); kill every group (and the ranks
-    Lightning launched inside it) at the deadline and fail with every process's log."""
+    Lightning launched inside it) at the deadline and fail with every process's log unless
+    each ended with exit code ``code``. Returns the logs."""
     logs = [cwd / f"process{i}.log" for i in range(len(commands))]
     procs = []
     for cmd, log in zip(commands, logs, strict=True):
@@ -43,7 +44,8 @@ def _run_all(commands: list[list[str]], cwd: Path) -> None:
         for i, (p, log) in enumerate(zip(procs, logs, strict=True))
     )
     assert not hung, f"processes {hung} gave no result in {TIMEOUT_S} s\n{report}"
-    assert all(p.returncode == 0 for p in procs), report
+    assert all(p.returncode == code for p in procs), report
+    return report
 
 
 def test_ddp_fit_with_one_rank_fully_filtered_finishes(tmp_path):
@@ -73,3 +75,46 @@ def test_two_ranks_give_the_union_batch_loss_and_gradient(tmp_path):
         assert result[mode]["loss_diff"] < 1e-6, mode
     # Without the shared unit count each rank's own mean is averaged: a different gradient.
     assert result["token-mean/naive"]["grad_diff"] > 1e-3
+
+
+FREEZE = """
+import os
+import signal
+
+import torch.distributed as dist
+
+CALLS = [0]
+
+
+def freeze_reward(completions, **_):
+    CALLS[0] += 1
+    if dist.get_rank() == 1 and CALLS[0] == 2:  # rank 1 stops in step 2's scoring
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return [float(i % 2) for i in range(len(completions))]
+"""
+
+
+def test_a_frozen_rank_is_named_every_few_seconds_then_the_run_ends(tmp_path):
+    """Before: one rank frozen (SIGSTOP) left the other waiting in gloo's 30-minute default
+    with no message. Now the waiting rank says every ``warn_every_s`` which collective it is
+    in, at which step, and that rank 1 has not answered since it was in the reward; after
+    ``timeout_s`` it ends the run with exit code 1 (and SIGKILLs the rank it launched)."""
+    (tmp_path / "freeze.py").write_text(FREEZE)
+    exe = str(Path(sys.executable).parent / "rlvr-lightning")
+    config = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+    cmd = [exe, "fit", "--config", config, f"--trainer.default_root_dir={tmp_path}"]
+    cmd += ["--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_steps=4"]
+    cmd += ["--trainer.limit_val_batches=0", "--model.init_args.reward_fns=[freeze.freeze_reward]"]
+    cmd += ["--trainer.callbacks+=rlvr_lightning.callbacks.CollectiveWatch"]
+    cmd += ["--trainer.callbacks.warn_every_s=3", "--trainer.callbacks.timeout_s=10"]
+    cmd += ["--trainer.callbacks.heartbeat_s=0.5"]
+    start = time.monotonic()
+    log = _run_all([cmd], cwd=tmp_path, code=1)
+    waits = [line for line in log.splitlines() if "Rank 0 has waited" in line]
+    assert len(waits) >= 3, log  # at 3, 6, 9 s, then the timeout's own message
+    assert "at step 1, called from" in waits[0]
+    assert "rank 1 has not answered for" in waits[0]
+    assert "(last: step 1, in freeze_reward (freeze.py:" in waits[0]
+    assert "Collective timeout (CollectiveWatch timeout_s=10.0)" in log
+    assert "Not answering: rank 1." in log
+    assert time.monotonic() - start < TIMEOUT_S
