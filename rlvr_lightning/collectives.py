@@ -51,9 +51,11 @@ _LIBRARY_DIRS = tuple(
 
 def _where(frame: FrameType) -> str:
     code = frame.f_code
-    parts = code.co_filename.replace(os.sep, "/").split("/")
-    short = "/".join(parts[-2:]) if parts[-2:-1] == ["rlvr_lightning"] else parts[-1]
-    return f"{code.co_name} ({short}:{frame.f_lineno})"
+    path = code.co_filename.replace(os.sep, "/")
+    short = path[path.rindex("/rlvr_lightning/") + 1 :] if "/rlvr_lightning/" in path else path
+    return (
+        f"{code.co_name} ({short.rsplit('/', 1)[-1] if short == path else short}:{frame.f_lineno})"
+    )
 
 
 def _is_library(frame: FrameType) -> bool:
@@ -87,17 +89,13 @@ def waiting_on(frame: FrameType | None) -> tuple[str, FrameType] | None:
     return found
 
 
-def activity(frame: FrameType | None) -> str:
-    """What the stack ending in ``frame`` does: its innermost frame outside the libraries,
-    and the innermost ``rlvr_lightning`` frame when that is another one."""
+def activity(frame: FrameType | None, depth: int = 3) -> str:
+    """What the stack ending in ``frame`` does: its innermost ``depth`` frames outside the
+    libraries, innermost first (``reward (my_rewards.py:7) < score (rlvr_lightning/...)``)."""
     own = [f for f in _stack(frame) if not _is_library(f)]
     if not own:
         return "outside this project's code"
-    ours = [f for f in own if "/rlvr_lightning/" in f.f_code.co_filename.replace(os.sep, "/")]
-    text = _where(own[0])
-    if ours and ours[0] is not own[0]:
-        text += f" via {_where(ours[0])}"
-    return text
+    return " < ".join(_where(f) for f in own[:depth])
 
 
 def main_frame() -> FrameType | None:

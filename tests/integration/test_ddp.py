@@ -80,6 +80,7 @@ def test_two_ranks_give_the_union_batch_loss_and_gradient(tmp_path):
 FREEZE = """
 import os
 import signal
+import time
 
 import torch.distributed as dist
 
@@ -89,6 +90,7 @@ CALLS = [0]
 def freeze_reward(completions, **_):
     CALLS[0] += 1
     if dist.get_rank() == 1 and CALLS[0] == 2:  # rank 1 stops in step 2's scoring
+        time.sleep(2)  # reported to the other rank (heartbeat_s 0.5) before the freeze
         os.kill(os.getpid(), signal.SIGSTOP)
     return [float(i % 2) for i in range(len(completions))]
 """
@@ -107,14 +109,15 @@ def test_a_frozen_rank_is_named_every_few_seconds_then_the_run_ends(tmp_path):
     cmd += ["--trainer.limit_val_batches=0", "--model.init_args.reward_fns=[freeze.freeze_reward]"]
     cmd += ["--trainer.callbacks+=rlvr_lightning.callbacks.CollectiveWatch"]
     cmd += ["--trainer.callbacks.warn_every_s=3", "--trainer.callbacks.timeout_s=10"]
-    cmd += ["--trainer.callbacks.heartbeat_s=0.5"]
+    cmd += ["--trainer.callbacks.heartbeat_s=0.5", "--model.init_args.reward_timeout_s=0"]
     start = time.monotonic()
     log = _run_all([cmd], cwd=tmp_path, code=1)
     waits = [line for line in log.splitlines() if "Rank 0 has waited" in line]
     assert len(waits) >= 3, log  # at 3, 6, 9 s, then the timeout's own message
-    assert "at step 1, called from" in waits[0]
-    assert "rank 1 has not answered for" in waits[0]
-    assert "(last: step 1, in freeze_reward (freeze.py:" in waits[0]
+    assert all(" in barrier at step 1, called from over_ranks (" in w for w in waits), waits
+    # Rank 1 reported twice a second until it froze, 2 s into the reward.
+    assert "rank 1 has not answered for" in waits[-1]
+    assert "(last: step 1, in freeze_reward (freeze.py:" in waits[-1]
     assert "Collective timeout (CollectiveWatch timeout_s=10.0)" in log
     assert "Not answering: rank 1." in log
     assert time.monotonic() - start < TIMEOUT_S
