@@ -28,6 +28,7 @@ from rlvr_lightning import collectives
 log = logging.getLogger(__name__)
 
 TIMEOUT_EXIT_CODE = 1
+STORE_TIMEOUT_S = 5.0  # a heartbeat's store calls (the store's own timeout)
 
 
 class CollectiveWatch(Callback):
@@ -54,33 +55,50 @@ class CollectiveWatch(Callback):
             )
         self.warn_every_s, self.timeout_s, self.heartbeat_s = warn_every_s, timeout_s, heartbeat_s
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._trainer: pl.Trainer | None = None
-        self._beats: collectives.Heartbeats | None = None
+        self._address: str | None = None  # the store's, once heartbeats work
+        self._peers: dict[int, dict[str, Any] | None] = {}
+        self._exchanged = time.time()  # the last report and read that went through
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if trainer.world_size < 2 or self._thread is not None:
+        if trainer.world_size < 2 or self._threads:
             return
-        self._trainer = trainer
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            try:
-                self._beats = collectives.Heartbeats(trainer.global_rank, trainer.world_size)
-            except Exception as err:  # the watch still reports this rank's own waits
-                log.warning("CollectiveWatch: no heartbeats (store unreachable: %s).", err)
+        self._trainer, self._exchanged = trainer, time.time()
         self._done.clear()
-        self._thread = threading.Thread(target=self._watch, name="CollectiveWatch", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._watch, name="CollectiveWatch", daemon=True)]
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            # Store calls run in a thread of their own: one to a frozen store host blocks.
+            self._threads.append(
+                threading.Thread(target=self._exchange, name="CollectiveWatch-beats", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+
+    def _exchange(self) -> None:
+        """Report this rank's step and activity, and read the others', every heartbeat_s."""
+        try:
+            beats = collectives.Heartbeats(self._rank(), self._trainer.world_size)  # type: ignore[union-attr]
+        except Exception as err:  # the watch still reports this rank's own waits
+            log.warning("CollectiveWatch: no heartbeats (store unreachable: %s).", err)
+            return
+        self._address = beats.address
+        while not self._done.wait(self.heartbeat_s):
+            try:
+                beats.report(self._step(), collectives.activity(collectives.main_frame()))
+                self._peers = beats.read()
+            except Exception as err:  # the store's host does not answer: said by `_message`
+                log.debug("CollectiveWatch: heartbeat failed: %s", err)
+                continue
+            self._exchanged = time.time()
 
     def _watch(self) -> None:
         tick = min(1.0, self.warn_every_s / 4, self.heartbeat_s)
         waiting: FrameType | None = None
-        since = next_warn = last_beat = 0.0
+        since = next_warn = 0.0
         while not self._done.wait(tick):
             frame, now = collectives.main_frame(), time.time()
-            if self._beats is not None and now - last_beat >= self.heartbeat_s:
-                last_beat = now
-                self._report(frame)
             found = collectives.waiting_on(frame)
             if found is None or found[1] is not waiting:
                 waiting = None if found is None else found[1]
@@ -93,29 +111,27 @@ class CollectiveWatch(Callback):
                 log.warning("%s", self._message(found[0], now - since, frame)[0])
             del frame
 
-    def _report(self, frame: FrameType | None) -> None:
-        try:
-            self._beats.report(self._step(), collectives.activity(frame))  # type: ignore[union-attr]
-        except Exception as err:  # e.g. the store's host is frozen: said in the next message
-            log.debug("CollectiveWatch: heartbeat not sent: %s", err)
+    def _rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else -1
 
     def _step(self) -> int:
         return self._trainer.global_step if self._trainer is not None else -1
 
     def _message(self, name: str, waited: float, frame: FrameType | None) -> tuple[str, list[int]]:
-        rank = self._trainer.global_rank if self._trainer is not None else "?"
         text = (
-            f"Rank {rank} has waited {waited:.0f} s in {name} at step {self._step()}, called "
-            f"from {collectives.activity(frame)}."
+            f"Rank {self._rank()} has waited {waited:.0f} s in {name} at step {self._step()}, "
+            f"called from {collectives.activity(frame)}."
         )
-        if self._beats is None:
+        if self._address is None:
             return text, []
-        try:
-            peers, silent = collectives.describe_peers(
-                self._beats.read(), 3 * self.heartbeat_s, time.time()
+        stale_s, now = 3 * self.heartbeat_s, time.time()
+        peers, silent = collectives.describe_peers(self._peers, stale_s, now)
+        if now - self._exchanged > stale_s + STORE_TIMEOUT_S:
+            peers = (
+                f"the store at {self._address} (hosted by rank 0) has not answered for "
+                f"{now - self._exchanged:.0f} s; before that, {peers}"
             )
-        except Exception as err:
-            return f"{text} The store at {self._beats.address} does not answer ({err}).", [0]
+            silent = sorted({0, *silent})
         return f"{text} {peers}.", silent
 
     def _give_up(self, name: str, waited: float, frame: FrameType | None) -> None:
@@ -147,6 +163,7 @@ class CollectiveWatch(Callback):
 
     def _stop(self) -> None:
         self._done.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-        self._thread = None
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=1)  # a store call may hang: the threads are daemons
+        self._threads = []

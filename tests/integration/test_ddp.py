@@ -11,15 +11,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 SCRIPT = str(Path(__file__).with_name("ddp_scripts.py"))
 TIMEOUT_S = 300  # two CPU processes import torch and Lightning in ~30 s on a loaded machine
 
 
-def _run_all(commands: list[list[str]], cwd: Path, code: int = 0) -> str:
+def _run_all(commands: list[list[str]], cwd: Path) -> None:
     """Run ``commands`` concurrently in their own process groups, each writing to its own log
     file (a full pipe would block a rank inside a collective); kill every group (and the ranks
-    Lightning launched inside it) at the deadline and fail with every process's log unless
-    each ended with exit code ``code``. Returns the logs."""
+    Lightning launched inside it) at the deadline and fail with every process's log."""
     logs = [cwd / f"process{i}.log" for i in range(len(commands))]
     procs = []
     for cmd, log in zip(commands, logs, strict=True):
@@ -44,8 +45,7 @@ def _run_all(commands: list[list[str]], cwd: Path, code: int = 0) -> str:
         for i, (p, log) in enumerate(zip(procs, logs, strict=True))
     )
     assert not hung, f"processes {hung} gave no result in {TIMEOUT_S} s\n{report}"
-    assert all(p.returncode == code for p in procs), report
-    return report
+    assert all(p.returncode == 0 for p in procs), report
 
 
 def test_ddp_fit_with_one_rank_fully_filtered_finishes(tmp_path):
@@ -89,18 +89,17 @@ CALLS = [0]
 
 def freeze_reward(completions, **_):
     CALLS[0] += 1
-    if dist.get_rank() == 1 and CALLS[0] == 2:  # rank 1 stops in step 2's scoring
+    if dist.get_rank() == int(os.environ["FROZEN_RANK"]) and CALLS[0] == 2:  # step 2's scoring
         time.sleep(2)  # reported to the other rank (heartbeat_s 0.5) before the freeze
         os.kill(os.getpid(), signal.SIGSTOP)
     return [float(i % 2) for i in range(len(completions))]
 """
 
 
-def test_a_frozen_rank_is_named_every_few_seconds_then_the_run_ends(tmp_path):
-    """Before: one rank frozen (SIGSTOP) left the other waiting in gloo's 30-minute default
-    with no message. Now the waiting rank says every ``warn_every_s`` which collective it is
-    in, at which step, and that rank 1 has not answered since it was in the reward; after
-    ``timeout_s`` it ends the run with exit code 1 (and SIGKILLs the rank it launched)."""
+def _frozen_run(tmp_path: Path, frozen: int) -> tuple[str, int | None, float]:
+    """``rlvr-lightning fit`` on 2 gloo ranks whose rank ``frozen`` stops (SIGSTOP) in step 2's
+    reward; returns the output once "Collective timeout" is in it and the process group is
+    gone or killed (rank 0 frozen: it never exits), with rank 0's exit code and the seconds."""
     (tmp_path / "freeze.py").write_text(FREEZE)
     exe = str(Path(sys.executable).parent / "rlvr-lightning")
     config = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
@@ -110,14 +109,47 @@ def test_a_frozen_rank_is_named_every_few_seconds_then_the_run_ends(tmp_path):
     cmd += ["--trainer.callbacks+=rlvr_lightning.callbacks.CollectiveWatch"]
     cmd += ["--trainer.callbacks.warn_every_s=3", "--trainer.callbacks.timeout_s=10"]
     cmd += ["--trainer.callbacks.heartbeat_s=0.5", "--model.init_args.reward_timeout_s=0"]
-    start = time.monotonic()
-    log = _run_all([cmd], cwd=tmp_path, code=1)
-    waits = [line for line in log.splitlines() if "Rank 0 has waited" in line]
+    log, start = tmp_path / "out.log", time.monotonic()
+    with log.open("wb") as f:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "FROZEN_RANK": str(frozen)},
+        )
+    try:
+        while time.monotonic() - start < TIMEOUT_S and proc.poll() is None:
+            if "Collective timeout" in log.read_text(errors="replace") and frozen == 0:
+                time.sleep(1)  # rank 1 ends itself; rank 0 stays stopped
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    seconds = time.monotonic() - start
+    return log.read_text(errors="replace"), (proc.returncode if frozen else None), seconds
+
+
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_frozen_rank_is_named_every_few_seconds_then_the_run_ends(tmp_path, frozen):
+    """Before: one rank frozen (SIGSTOP) left the other waiting in gloo's 30-minute default
+    with no message. Now the waiting rank says every ``warn_every_s`` which collective it is
+    in, at which step, and which rank has not answered since it was in the reward; after
+    ``timeout_s`` it ends the run with exit code 1 (rank 0 also SIGKILLs the rank it launched).
+    A frozen rank 0 also freezes the c10d store it hosts: rank 1 says so."""
+    log, code, seconds = _frozen_run(tmp_path, frozen)
+    waiter = 1 - frozen
+    waits = [line for line in log.splitlines() if f"Rank {waiter} has waited" in line]
     assert len(waits) >= 3, log  # at 3, 6, 9 s, then the timeout's own message
     assert all(" in barrier at step 1, called from over_ranks (" in w for w in waits), waits
-    # Rank 1 reported twice a second until it froze, 2 s into the reward.
-    assert "rank 1 has not answered for" in waits[-1]
+    # The frozen rank reported twice a second until it froze, 2 s into the reward.
+    assert f"rank {frozen} has not answered for" in waits[-1]
     assert "(last: step 1, in freeze_reward (freeze.py:" in waits[-1]
+    if frozen == 0:
+        assert "the store at 127.0.0.1:" in waits[-1] and "(hosted by rank 0)" in waits[-1]
     assert "Collective timeout (CollectiveWatch timeout_s=10.0)" in log
-    assert "Not answering: rank 1." in log
-    assert time.monotonic() - start < TIMEOUT_S
+    assert f"Not answering: rank {frozen}." in log
+    assert code in (None, 1), log[-3000:]
+    assert seconds < TIMEOUT_S
