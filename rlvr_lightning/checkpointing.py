@@ -283,10 +283,23 @@ class CheckpointGuard(Callback):
         self._locks: list[RunLock] = []
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a fixed dirpath is known here, before a checkpoint is restored
+            self._claim(trainer)
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._claim(trainer)  # the directories Lightning resolved in its own setup
+
+    def _claim(self, trainer: pl.Trainer) -> None:
+        """Check each checkpoint directory is writable; on the rank that writes checkpoints,
+        lock it for this run and remove what killed runs left in it."""
+        held = {lock.path.parent for lock in self._locks}
         for directory in checkpoint_dirs(trainer):
+            if directory in held:
+                continue
             check_writable(directory)
-            if trainer.is_global_zero:  # the rank that writes checkpoints
+            if trainer.is_global_zero:
                 self._locks.append(RunLock.acquire(directory))
                 tidy(directory)
 

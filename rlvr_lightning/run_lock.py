@@ -100,10 +100,10 @@ class RunLock:
                 os.close(fd)
                 continue
             holder = _read(fd)
-            if holder_alive(holder) and holder.get("pid") != os.getpid():
+            if holder_alive(holder) and (holder.get("pid"), holder.get("host")) != _me():
                 os.close(fd)
                 raise _in_use(path, holder)
-            if holder:
+            if holder and (holder.get("pid"), holder.get("host")) != _me():
                 log.warning(
                     "Took over the lock of %s in %s: that run ended without releasing it "
                     "(killed?). Its checkpoints stay; resume with --ckpt_path last.",
@@ -123,6 +123,10 @@ class RunLock:
                 self.path.unlink()
         os.close(self.fd)
         self.fd = -1
+
+
+def _me() -> tuple[int, str]:
+    return os.getpid(), socket.gethostname()
 
 
 def _same_file(fd: int, path: Path) -> bool:
