@@ -31,6 +31,7 @@ from torchmetrics import Metric
 
 from rlvr_lightning import checkpoint_files, checkpointing, cli_errors
 from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
+from rlvr_lightning.callbacks.memory_guard import MemoryLimitExceeded, exit_at_once
 from rlvr_lightning.command import COMMANDS, TRAINER_COMMANDS, print_overview
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
@@ -227,6 +228,10 @@ def main(args: list[str] | None = None) -> None:
         _dispatch(argv, from_sys_argv=args is None)
     except SIGTERMException as stop:  # Lightning's own SIGTERM stop exits 0 otherwise
         raise SystemExit(143) from stop
+    except MemoryLimitExceeded:  # checkpoint and message are out; a thread may still allocate
+        if args is None:
+            exit_at_once(1)
+        raise
     except Exception as err:
         if cli_errors.traceback_requested():
             raise

@@ -4,6 +4,7 @@ OOM-killed. Both go through ``rlvr-lightning fit`` on ``configs/tiny.yaml``."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 import time
@@ -12,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr_lightning import memory
 from rlvr_lightning.cli import main
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+EXE = str(Path(sys.executable).parent / "rlvr-lightning")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -53,49 +54,41 @@ def test_a_prompt_limit_beyond_the_context_is_refused_at_start(tmp_path, capsys)
     """Before: ``max_prompt_tokens: 200000`` on a 512-position model was accepted, ran ~300 s
     and was OOM-killed. Now ``fit`` stops before the first step with the largest value that
     fits."""
-    code, out, seconds = run(
-        ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
-        + ["--data.init_args.max_prompt_tokens=200000"],
-        capsys,
-    )
+    args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
+    code, out, seconds = run([*args, "--data.init_args.max_prompt_tokens=200000"], capsys)
     assert code == 1, out
     assert "max_prompt_tokens=200000" in out and "context of 512 positions" in out
     assert "set data.init_args.max_prompt_tokens to at most" in out
     assert seconds < 60
 
 
-def test_a_reward_allocating_without_bound_stops_with_a_message_and_a_checkpoint(
-    tmp_path, capsys, caplog, monkeypatch
-):
+def test_a_reward_allocating_without_bound_stops_with_a_message_and_a_checkpoint(tmp_path):
     """Before: the trainer was OOM-killed with no message and nothing saved. Now MemoryGuard
-    warns once near the limit, naming the settings, then stops the run (exit code 1) with the
-    on-exception checkpoint written."""
-    cap = 2 * 2**30
+    warns once near the limit, naming the settings, then stops the run with exit code 1
+    (not 134: the reward's thread still allocates while the process ends) and the
+    on-exception checkpoint written. Run as the console script, with a 3 GiB limit."""
+    limit, cap = 3 * 2**30, 3 * 2**30
     (tmp_path / "hog_reward.py").write_text(textwrap.dedent(HOG.format(cap=cap)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    limit = memory.resident_bytes() + 2**30  # a limit 1 GiB above what the test holds now
     d = tmp_path / "c"
-    args = ["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
-    args += ["--trainer.max_steps=4", "--trainer.limit_val_batches=0"]
-    args += ["--model.init_args.reward_fns=[hog_reward.hog]"]
-    args += ["--trainer.enable_checkpointing=true"]
-    args += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
-    args += [f"--trainer.callbacks.dirpath={d}", "--trainer.callbacks.save_last=true"]
-    args += ["--trainer.callbacks.every_n_train_steps=1"]
-    args += ["--trainer.callbacks.save_on_exception=true"]
-    args += ["--trainer.callbacks+=rlvr_lightning.callbacks.MemoryGuard"]
-    args += [f"--trainer.callbacks.limit_bytes={limit}", "--trainer.callbacks.interval_s=0.05"]
-    try:
-        code, out, _ = run(args, capsys)
-        held = sum(t.numel() * 4 for t in sys.modules["hog_reward"].HELD)
-    finally:
-        sys.modules["hog_reward"].HELD.clear()
-    assert code == 1, out
-    assert held < cap, "the guard did not stop the reward before its cap"
-    warnings = [r for r in caplog.records if "Memory: the trainer holds" in r.getMessage()]
-    assert [r.levelname for r in warnings] == ["WARNING", "ERROR"], caplog.text
-    assert "micro_batch_size (4)" in warnings[0].getMessage()
-    assert "sampling.max_new_tokens (12)" in warnings[0].getMessage()
-    assert "over MemoryGuard's stop_share 0.95" in warnings[1].getMessage()
+    cmd = [EXE, "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
+    cmd += ["--trainer.max_steps=4", "--trainer.limit_val_batches=0"]
+    cmd += ["--model.init_args.reward_fns=[hog_reward.hog]"]
+    cmd += ["--trainer.enable_checkpointing=true"]
+    cmd += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
+    cmd += [f"--trainer.callbacks.dirpath={d}", "--trainer.callbacks.save_last=true"]
+    cmd += ["--trainer.callbacks.every_n_train_steps=1"]
+    cmd += ["--trainer.callbacks.save_on_exception=true"]
+    cmd += ["--trainer.callbacks+=rlvr_lightning.callbacks.MemoryGuard"]
+    cmd += [f"--trainer.callbacks.limit_bytes={limit}"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("Memory: the trainer holds")]
+    assert len(lines) == 2, out[-3000:]  # one warning, one stop
+    assert "it may use (MemoryGuard.limit_bytes). To use less, lower" in lines[0]
+    assert "micro_batch_size (4)" in lines[0] and "sampling.max_new_tokens (12)" in lines[0]
+    assert "over MemoryGuard's stop_share 0.95: stopping" in lines[1]
+    held = float(lines[1].split("holds ")[1].split(" GiB")[0])
+    assert 0.95 * 3 <= held < 3 + 0.2  # stopped near the limit, not after the reward's cap
     saved = torch.load(d / "last.ckpt", weights_only=False)  # step 1, or the on-exception save
     assert saved["global_step"] >= 1
