@@ -2,7 +2,8 @@
 ``export`` (a checkpoint to a ``from_pretrained`` folder).
 
 Every Trainer gets ``checkpointing.AtomicCheckpointIO`` (unless another CheckpointIO plugin is
-configured) and a ``checkpointing.CheckpointGuard``. Exit codes: 0 done, 1 error, 2 bad
+configured), a ``checkpointing.CheckpointGuard`` and the ``watchers`` (``MemoryGuard``,
+``CollectiveWatch``) unless configured. Exit codes: 0 done, 1 error, 2 bad
 arguments or config, 130 stopped by SIGINT, 143 stopped by SIGTERM (128 + signal number, after
 the on-exception checkpoints). Errors are summarised in a few lines (``cli_errors``);
 ``RLVR_TRACEBACK=1`` shows the full traceback.
