@@ -144,5 +144,9 @@ def test_newest_good_is_the_highest_step_after_a_copy(tmp_path, capsys):
         os.utime(copy / name, (now + i, now + i))  # step 2 is the newest file
     (copy / "epoch=0-step=3.ckpt").write_bytes(b"truncated")
     assert checkpoint_files.newest_good([copy]) == (copy / "last.ckpt").resolve()
+    # As the CLI names it when asked to resume from the truncated file:
+    args = fit_args(tmp_path / "again", 4, f"--ckpt_path={copy / 'epoch=0-step=3.ckpt'}")
+    code, out = run_cli(args, capsys)
+    assert code == 1 and f"the newest good checkpoint is {copy / 'last.ckpt'}" in out, out
     (copy / "last.ckpt").unlink()
     assert checkpoint_files.newest_good([copy]) == (copy / "epoch=0-step=2.ckpt").resolve()
