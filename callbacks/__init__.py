@@ -10,9 +10,11 @@ if __name__ != "rlvr_lightning.callbacks":
 
 from rlvr_lightning.callbacks.adaptive_temperature import AdaptiveTemperature
 from rlvr_lightning.callbacks.annealed_temperature import AnnealedTemperature
+from rlvr_lightning.callbacks.collective_watch import CollectiveWatch
 from rlvr_lightning.callbacks.completions_table import CompletionsTable
 from rlvr_lightning.callbacks.export_model import ExportModel
 from rlvr_lightning.callbacks.ground_truth_injection import GroundTruthInjection
+from rlvr_lightning.callbacks.memory_guard import MemoryGuard
 from rlvr_lightning.callbacks.mixed_policy_guidance import MixedPolicyGuidance
 from rlvr_lightning.callbacks.near_future_guidance import NearFuturePolicyGuidance
 from rlvr_lightning.callbacks.prediction_writer import PredictionWriter
@@ -22,9 +24,11 @@ from rlvr_lightning.callbacks.step_progress_bar import RichStepProgressBar, Step
 __all__ = [
     "AdaptiveTemperature",
     "AnnealedTemperature",
+    "CollectiveWatch",
     "CompletionsTable",
     "ExportModel",
     "GroundTruthInjection",
+    "MemoryGuard",
     "MixedPolicyGuidance",
     "NearFuturePolicyGuidance",
     "PredictionWriter",

@@ -79,6 +79,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             colocated ``vllm.LLM`` with its own weights, synced after each optimiser step) or
             ``auto`` (``vllm`` when installed, see ``rollout.factory.resolve_engine``).
         engine_kwargs: constructor arguments of the engine (``HFEngine`` or ``VLLMEngine``).
+        keep_dropout: keep the model's dropout; by default every rate is set to 0 at load, as
+            TRL does (dropout makes ``pi / pi_old`` differ from 1 on on-policy tokens).
 
     Each group is a dataclass of ``rlvr_lightning.options`` (its own ``--help`` section).
     """
@@ -104,6 +106,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         probe_head: Callable[[int], ProbeHead] | None = None,
         engine: Literal["hf", "vllm", "auto"] = "hf",
         engine_kwargs: dict[str, Any] | None = None,
+        keep_dropout: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -118,7 +121,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             as_group(Sampling, sampling),
             as_group(Sampling, val_sampling),
         )
-        self._build(policy, dtype, get_preset(algorithm), estimator, value_head, probe_head)
+        heads = (value_head, probe_head)
+        self._build(policy, dtype, keep_dropout, get_preset(algorithm), estimator, *heads)
         self.rewards = build.reward_combiner(
             self.options.rewards, self.preset.overlong_shaping, self.sampling
         )
@@ -138,8 +142,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         self._no_update_streak = 0  # rollout steps in a row without an optimiser step
         self._clock = StepClock()
 
-    def _build(self, policy: str, dtype: str, preset: Preset, estimator: str | None,
-               value_head: Callable | None, probe_head: Callable | None) -> None:  # fmt: skip
+    def _build(self, policy: str, dtype: str, keep_dropout: bool, preset: Preset,
+               estimator: str | None, value_head: Callable | None, probe_head: Callable | None,
+               ) -> None:  # fmt: skip
         """The models and the update, after the options are checked."""
         o = self.options
         self.preset, self.estimator = preset, estimator or preset.estimator
@@ -149,7 +154,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         fzv = o.selection.filter_zero_variance
         self.filter_zero_variance = preset.filter_zero_variance if fzv is None else fzv
         self.informative = o.selection.informative or preset.informative
-        self.policy, self.tokenizer = build.policy_and_tokenizer(policy, dtype, o.lora)
+        self.policy, self.tokenizer = build.policy_and_tokenizer(
+            policy, dtype, o.lora, keep_dropout
+        )
         self.value_head = build.value_head(value_head, self.policy)  # a submodule: checkpointed
         self.probe_head = build.probe_head(probe_head, self.policy)  # buffers: checkpointed
         # Not registered as a submodule: the frozen copy never enters checkpoints or optimisers.

@@ -2,7 +2,8 @@
 ``export`` (a checkpoint to a ``from_pretrained`` folder).
 
 Every Trainer gets ``checkpointing.AtomicCheckpointIO`` (unless another CheckpointIO plugin is
-configured) and a ``checkpointing.CheckpointGuard``. Exit codes: 0 done, 1 error, 2 bad
+configured), a ``checkpointing.CheckpointGuard`` and the ``watchers`` (``MemoryGuard``,
+``CollectiveWatch``) unless configured. Exit codes: 0 done, 1 error, 2 bad
 arguments or config, 130 stopped by SIGINT, 143 stopped by SIGTERM (128 + signal number, after
 the on-exception checkpoints). Errors are summarised in a few lines (``cli_errors``);
 ``RLVR_TRACEBACK=1`` shows the full traceback.
@@ -21,7 +22,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import (
     BasePredictionWriter,
     Callback,
-    ModelCheckpoint,
     ProgressBar,
 )
 from lightning.pytorch.cli import LightningCLI
@@ -31,11 +31,13 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
+from rlvr_lightning.callbacks.memory_guard import MemoryLimitExceeded, exit_at_once
 from rlvr_lightning.cli import errors as cli_errors
 from rlvr_lightning.cli.overview import COMMANDS, TRAINER_COMMANDS, print_overview
+from rlvr_lightning.cli.watchers import with_watchers
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.runtime import checkpointing
+from rlvr_lightning.runtime import checkpoint_files, checkpointing
 
 
 class RLVRCLI(LightningCLI):
@@ -65,6 +67,7 @@ class RLVRCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         config = {**config, "plugins": checkpointing.with_atomic_io(config.get("plugins"))}
         callbacks = with_step_progress(config, checkpointing.with_guard(callbacks))
+        callbacks = with_watchers(config, callbacks)  # MemoryGuard, CollectiveWatch
         if self.subcommand == "predict":
             callbacks = with_prediction_writer(config, callbacks)
         return super()._instantiate_trainer(config, callbacks)
@@ -77,9 +80,11 @@ class RLVRCLI(LightningCLI):
     def fit(self, model: RLVRModule, **kwargs: Any) -> None:
         # `ckpt_path: last` is meant to be set once and kept ("resume if there is one"); on the
         # first run Lightning warns that there is none, so say it once, calmly, instead.
-        if kwargs.get("ckpt_path") == "last" and not _has_last_checkpoint(self.trainer):
-            rank_zero_info("ckpt_path=last: no checkpoint yet, training starts from step 0.")
-            kwargs["ckpt_path"] = None
+        # "last" is the last*.ckpt with the highest step (Lightning: the newest file time).
+        if kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = checkpoint_files.resolve_last(self.trainer)
+            if kwargs["ckpt_path"] is None:
+                rank_zero_info("ckpt_path=last: no checkpoint yet, training starts from step 0.")
         self.trainer.fit(model, **kwargs)
 
     def before_fit(self) -> None:
@@ -119,15 +124,6 @@ def with_prediction_writer(config: dict[str, Any], callbacks: list[Callback]) ->
         return callbacks
     root = config.get("default_root_dir") or os.getcwd()
     return [*callbacks, PredictionWriter(os.path.join(root, "predictions.jsonl"))]
-
-
-def _has_last_checkpoint(trainer: Trainer) -> bool:
-    """Whether Lightning's ``ckpt_path="last"`` would find a file (its own lookup)."""
-    found: set[str] = set()
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            found |= callback._find_last_checkpoints(trainer)
-    return any(os.path.exists(path) for path in found)
 
 
 def reset_metric_states(module: Module) -> None:
@@ -235,6 +231,10 @@ def main(args: list[str] | None = None) -> None:
         _dispatch(argv, from_sys_argv=args is None)
     except SIGTERMException as stop:  # Lightning's own SIGTERM stop exits 0 otherwise
         raise SystemExit(143) from stop
+    except MemoryLimitExceeded:  # checkpoint and message are out; a thread may still allocate
+        if args is None:
+            exit_at_once(1)
+        raise
     except Exception as err:
         if cli_errors.traceback_requested():
             raise

@@ -38,6 +38,7 @@ from rlvr_lightning.data.prompt_limit import (
     template_tokens,
     token_counter,
 )
+from rlvr_lightning.data.prompt_room import check_prompt_room
 from rlvr_lightning.data.prompts import collate_examples, source_columns
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
@@ -243,12 +244,15 @@ class RLVRDataModule(pl.LightningDataModule):
 
     def _prompt_limit(self) -> tuple[int, str] | None:
         """The prompt token limit and the reason the warning gives; None: no limit."""
-        if self.max_prompt_tokens is not None:
-            return self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
         module = None if self.trainer is None else self.trainer.lightning_module
-        return model_prompt_limit(
-            module, lambda tok: template_tokens(tok, self.system_prompt, self.instruction)
-        )
+
+        def counter(tok: Any) -> int:
+            return template_tokens(tok, self.system_prompt, self.instruction)
+
+        if self.max_prompt_tokens is not None:
+            check_prompt_room(self.max_prompt_tokens, module, counter)
+            return self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
+        return model_prompt_limit(module, counter)
 
     def _token_counter(self) -> Callable[[str], int]:
         tokenizer = getattr(getattr(self.trainer, "lightning_module", None), "tokenizer", None)

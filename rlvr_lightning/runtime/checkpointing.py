@@ -5,8 +5,10 @@
   checkpoint ``RLVRModule.on_save_checkpoint`` marked inconsistent, names the newest readable
   checkpoint when asked to load an unreadable one, and turns a write that a full disk or a file
   size limit stopped into a ``CheckpointError`` that says so.
-- ``CheckpointGuard`` checks the checkpoint directories are writable before training and turns
-  SIGINT/SIGTERM into a stop at a consistent point, exiting with ``128 + signum`` (130, 143).
+- ``CheckpointGuard`` checks the checkpoint directories are writable and locks them for this
+  run (``run_lock``: one run per directory; then ``checkpoint_files.tidy`` removes leftover
+  temporary files) before training, and turns SIGINT/SIGTERM into a stop at a consistent
+  point, exiting with ``128 + signum`` (130, 143).
 The CLI installs both by default.
 """
 
@@ -22,7 +24,6 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +31,28 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from rlvr_lightning.runtime.checkpoint_files import (
+    UNSAFE_KEY,
+    CheckpointError,
+    check_loadable,
+    checkpoint_dirs,
+    describe_newest,
+    newest_good,
+    readable,  # noqa: F401  (re-exported: callers name checkpointing.readable)
+    tidy,
+)
+from rlvr_lightning.runtime.run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
-# Set by `RLVRModule.on_save_checkpoint` on a checkpoint that must not be written (or loaded).
-UNSAFE_KEY = "rlvr_unsafe"
 # Parts of a checkpoint taken live at save time; everything else can come from a snapshot.
 LIVE_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A failed checkpoint write with less free space than this is reported as a full disk.
 LOW_SPACE_BYTES = 64 * 2**20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read; the message says which file to use."""
 
 
 class TrainingStopped(SystemExit):
@@ -84,53 +91,6 @@ def nonfinite_tensors(state_dict: dict[str, Any]) -> list[str]:
         for name, t in state_dict.items()
         if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())
     ]
-
-
-# ---- finding good checkpoints ---------------------------------------------------------------
-
-
-def checkpoint_dirs(trainer: pl.Trainer) -> list[Path]:
-    """Directories the trainer's checkpoint callbacks write to (resolved after ``setup``)."""
-    dirs = []
-    for cb in trainer.callbacks:
-        if isinstance(cb, ModelCheckpoint | OnExceptionCheckpoint) and cb.dirpath:
-            dirs.append(Path(cb.dirpath))
-    return list(dict.fromkeys(dirs))
-
-
-def readable(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint ``torch.load`` can open (tensors are not read: mmap)."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception:
-        return False
-    return isinstance(ckpt, dict) and "state_dict" in ckpt and UNSAFE_KEY not in ckpt
-
-
-def newest_good(dirs: Iterable[Path], exclude: Path | None = None) -> Path | None:
-    """The most recently modified readable ``*.ckpt`` in ``dirs`` (other than ``exclude``)."""
-    files = {p.resolve() for d in dirs if d.is_dir() for p in d.glob("*.ckpt") if p.is_file()}
-    files.discard(exclude.resolve() if exclude else None)
-    for path in sorted(files, key=lambda p: p.stat().st_mtime, reverse=True):
-        if readable(path):
-            return path
-    return None
-
-
-def describe_newest(dirs: Iterable[Path], exclude: Path | None = None) -> str:
-    good = newest_good(dirs, exclude)
-    return f"the newest good checkpoint is {good}" if good else "no good checkpoint was found"
-
-
-def check_loadable(path: str | Path) -> None:
-    """Raise ``CheckpointError`` naming ``path`` and the newest good sibling if it is unreadable."""
-    path = Path(path)
-    if path.is_file() and not readable(path):
-        size = path.stat().st_size
-        raise CheckpointError(
-            f"Checkpoint {path} ({size} bytes) is empty, truncated or was refused when written; "
-            f"{describe_newest([path.parent], exclude=path)} (pass it with --ckpt_path)."
-        )
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -320,11 +280,28 @@ class CheckpointGuard(Callback):
         self._stopping = False
         self._module: Any = None
         self._io: Any = None
+        self._locks: list[RunLock] = []
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a fixed dirpath is known here, before a checkpoint is restored
+            self._claim(trainer)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._claim(trainer)  # the directories Lightning resolved in its own setup
+
+    def _claim(self, trainer: pl.Trainer) -> None:
+        """Check each checkpoint directory is writable; on the rank that writes checkpoints,
+        lock it for this run and remove what killed runs left in it."""
+        held = {lock.path.parent for lock in self._locks}
         for directory in checkpoint_dirs(trainer):
+            if directory in held:
+                continue
             check_writable(directory)
+            if trainer.is_global_zero:
+                self._locks.append(RunLock.acquire(directory))
+                tidy(directory)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -391,6 +368,9 @@ class CheckpointGuard(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        # Lightning calls no callback's teardown after an exception. The on-exception
+        # checkpoints are written after this hook (checkpoint callbacks run last), within
+        # milliseconds; a run started in that window could meet one of them.
         self._restore()
 
     @override
@@ -398,6 +378,9 @@ class CheckpointGuard(Callback):
         self._restore()
 
     def _restore(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
         for signum, handler in self._previous.items():
             if handler is not None:
                 signal.signal(signum, handler)

@@ -10,6 +10,7 @@ from typing import Any
 from rlvr_lightning import models
 from rlvr_lightning.algorithms.presets import Preset
 from rlvr_lightning.heads import ProbeHead, ValueHead
+from rlvr_lightning.models.dropout import disable_dropout
 from rlvr_lightning.options import LoRA, Options, Rewards
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
 from rlvr_lightning.stages.update import PolicyUpdate
@@ -101,10 +102,14 @@ def _head(factory: Callable[[int], Any] | None, policy: Any, cls: type, key: str
     return head
 
 
-def policy_and_tokenizer(name: str, dtype: str, lora: LoRA) -> tuple[Any, Any]:
-    """The trainable policy (LoRA-wrapped when ``lora.rank > 0``) and its left-padding
-    tokenizer."""
+def policy_and_tokenizer(
+    name: str, dtype: str, lora: LoRA, keep_dropout: bool = False
+) -> tuple[Any, Any]:
+    """The trainable policy (LoRA-wrapped when ``lora.rank > 0``) and its left-padding tokenizer;
+    every dropout rate 0 unless ``keep_dropout`` (``models.dropout.disable_dropout``)."""
     policy, tokenizer = models.load_policy(name, dtype)
+    if not keep_dropout:
+        disable_dropout(policy)  # the reference and the heads' trunk are this model or its copy
     tokenizer.padding_side = "left"
     policy.train()
     if lora.rank > 0:

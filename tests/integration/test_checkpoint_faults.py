@@ -325,22 +325,35 @@ def test_saving_over_a_last_link_replaces_the_link_not_its_target(tmp_path):
 # ---- 6. a corrupt checkpoint names itself and the newest good one -----------------------------
 
 
-@pytest.mark.parametrize("given", ["file", "last"])
-def test_a_corrupt_checkpoint_names_the_file_and_the_newest_good_one(tmp_path, given):
+def test_a_corrupt_checkpoint_names_the_file_and_the_newest_good_one(tmp_path):
     d = tmp_path / "c"
     fit(cli(tmp_path, "--trainer.max_steps=2", *ckpt_flags(d, every=1)))
     (d / "last.ckpt").write_bytes(b"")  # a kill mid-write under an in-place writer
-    ckpt = str(d / "last.ckpt") if given == "file" else "last"
     with pytest.raises(checkpointing.CheckpointError) as err:
         cli(
             tmp_path,
             "--trainer.max_steps=3",
             *ckpt_flags(d),
-            f"--ckpt_path={ckpt}",
+            f"--ckpt_path={d / 'last.ckpt'}",
             subcommand=True,
         )
     assert str(d / "last.ckpt") in str(err.value)
     assert f"newest good checkpoint is {d / 'epoch=0-step=2.ckpt'}" in str(err.value)
+
+
+def test_ckpt_path_last_skips_a_corrupt_last_and_writes_last_again(tmp_path, caplog):
+    """Before: a broken last.ckpt stopped ``--ckpt_path last``, and a run started anyway wrote
+    last-v1.ckpt beside it. Now ``last`` resumes from the newest good file, the broken one is
+    kept aside as ``last.ckpt.unreadable`` and the run writes ``last.ckpt`` again."""
+    d = tmp_path / "c"
+    fit(cli(tmp_path, "--trainer.max_steps=2", *ckpt_flags(d, every=1)))
+    (d / "last.ckpt").write_bytes(b"")
+    c = cli(tmp_path, "--trainer.max_steps=3", *ckpt_flags(d), "--ckpt_path=last", subcommand=True)
+    assert "last.ckpt cannot be read; resuming from" in caplog.text
+    assert c.trainer.global_step == 3  # resumed at step 2, one more step
+    assert (d / "last.ckpt.unreadable").stat().st_size == 0
+    assert not list(d.glob("last-v*.ckpt"))
+    assert torch.load(d / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
 # ---- 7. non-finite gradients skip the step; non-finite weights are never saved ----------------

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 SCRIPT = str(Path(__file__).with_name("ddp_scripts.py"))
 TIMEOUT_S = 300  # two CPU processes import torch and Lightning in ~30 s on a loaded machine
 
@@ -73,3 +75,81 @@ def test_two_ranks_give_the_union_batch_loss_and_gradient(tmp_path):
         assert result[mode]["loss_diff"] < 1e-6, mode
     # Without the shared unit count each rank's own mean is averaged: a different gradient.
     assert result["token-mean/naive"]["grad_diff"] > 1e-3
+
+
+FREEZE = """
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+CALLS = [0]
+
+
+def freeze_reward(completions, **_):
+    CALLS[0] += 1
+    if dist.get_rank() == int(os.environ["FROZEN_RANK"]) and CALLS[0] == 2:  # step 2's scoring
+        time.sleep(2)  # reported to the other rank (heartbeat_s 0.5) before the freeze
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return [float(i % 2) for i in range(len(completions))]
+"""
+
+
+def _frozen_run(tmp_path: Path, frozen: int) -> tuple[str, int | None, float]:
+    """``rlvr-lightning fit`` on 2 gloo ranks whose rank ``frozen`` stops (SIGSTOP) in step 2's
+    reward; returns the output once "Collective timeout" is in it and the process group is
+    gone or killed (rank 0 frozen: it never exits), with rank 0's exit code and the seconds."""
+    (tmp_path / "freeze.py").write_text(FREEZE)
+    exe = str(Path(sys.executable).parent / "rlvr-lightning")
+    config = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+    cmd = [exe, "fit", "--config", config, f"--trainer.default_root_dir={tmp_path}"]
+    cmd += ["--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_steps=4"]
+    cmd += ["--trainer.limit_val_batches=0", "--model.init_args.reward_fns=[freeze.freeze_reward]"]
+    cmd += ["--trainer.callbacks+=rlvr_lightning.callbacks.CollectiveWatch"]
+    cmd += ["--trainer.callbacks.warn_every_s=3", "--trainer.callbacks.timeout_s=10"]
+    cmd += ["--trainer.callbacks.heartbeat_s=0.5", "--model.init_args.reward_timeout_s=0"]
+    log, start = tmp_path / "out.log", time.monotonic()
+    with log.open("wb") as f:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "FROZEN_RANK": str(frozen)},
+        )
+    try:
+        while time.monotonic() - start < TIMEOUT_S and proc.poll() is None:
+            if "Collective timeout" in log.read_text(errors="replace") and frozen == 0:
+                time.sleep(1)  # rank 1 ends itself; rank 0 stays stopped
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    seconds = time.monotonic() - start
+    return log.read_text(errors="replace"), (proc.returncode if frozen else None), seconds
+
+
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_frozen_rank_is_named_every_few_seconds_then_the_run_ends(tmp_path, frozen):
+    """Before: one rank frozen (SIGSTOP) left the other waiting in gloo's 30-minute default
+    with no message. Now the waiting rank says every ``warn_every_s`` which collective it is
+    in, at which step, and which rank has not answered since it was in the reward; after
+    ``timeout_s`` it ends the run with exit code 1 (rank 0 also SIGKILLs the rank it launched).
+    A frozen rank 0 also freezes the c10d store it hosts: rank 1 says so."""
+    log, code, seconds = _frozen_run(tmp_path, frozen)
+    waiter = 1 - frozen
+    waits = [line for line in log.splitlines() if f"Rank {waiter} has waited" in line]
+    assert len(waits) >= 3, log  # at 3, 6, 9 s, then the timeout's own message
+    assert all(" in barrier at step 1, called from over_ranks (" in w for w in waits), waits
+    # The frozen rank reported twice a second until it froze, 2 s into the reward.
+    assert f"rank {frozen} has not answered for" in waits[-1]
+    assert "(last: step 1, in freeze_reward (freeze.py:" in waits[-1]
+    if frozen == 0:
+        assert "the store at 127.0.0.1:" in waits[-1] and "(hosted by rank 0)" in waits[-1]
+    assert "Collective timeout (CollectiveWatch timeout_s=10.0)" in log
+    assert f"Not answering: rank {frozen}." in log
+    assert code in (None, 1), log[-3000:]
+    assert seconds < TIMEOUT_S
