@@ -46,6 +46,9 @@ class Rewards:
         max_abandoned_threads: a thread-run reward that timed out keeps running (Python cannot
             stop a thread): after this many still-running timed-out calls the run stops with
             the fix (``isolate`` the reward); None never stops.
+        worker_memory_mb: address-space budget of each reward worker process (isolated
+            rewards); an allocation past it fails those rows instead of the machine's memory
+            running out. 4096 is this project's choice; None: no budget.
     """
 
     functions: Sequence[Callable] | None = None
@@ -58,6 +61,7 @@ class Rewards:
     max_failure_share: float | None = 0.5
     failure_window: int = 10
     max_abandoned_threads: int | None = 3
+    worker_memory_mb: int | None = 4096
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from rlvr_lightning.rewards.contract import (
 )
 from rlvr_lightning.rewards.health import RewardHealth
 from rlvr_lightning.rewards.isolation import (
+    DEFAULT_WORKER_MEMORY_MB,
     LoadError,
     RewardWorkers,
     isolated_names,
@@ -128,6 +129,9 @@ class RewardCombiner:
             abandoned threads, training stops with ``RewardTimeoutError`` (the first timeout is
             reported with the fix: a worker process); ``None`` lets them stack. 3 is this
             project's choice: a slow call that finishes later does not count.
+        worker_memory_mb: address space of each worker process (``RLIMIT_AS``; 4096 MB, this
+            project's choice): a reward allocating past it fails on those rows (counted, and
+            loud by the rules above) instead of growing the machine out of memory.
 
     Process functions start first and run while the others run, one after another. A function
     that raises on the batch is retried row by row; rows that still raise score 0.0 and are
@@ -157,6 +161,7 @@ class RewardCombiner:
         max_failure_share: float | None = 0.5,
         failure_window: int = 10,
         max_abandoned_threads: int | None = 3,
+        worker_memory_mb: int | None = DEFAULT_WORKER_MEMORY_MB,
     ) -> None:
         functions = list(functions)
         weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
@@ -170,6 +175,7 @@ class RewardCombiner:
         self._workers = workers
         self.health = RewardHealth(names, max_failure_share, failure_window)
         self._threads = AbandonedThreads(max_abandoned_threads)
+        self.worker_memory_mb = worker_memory_mb
 
     @property
     def names(self) -> list[str]:
@@ -264,7 +270,8 @@ class RewardCombiner:
         if self._workers is None:
             isolated = [s.fn for s in self.specs if s.isolated]
             processes = max(1, min(len(isolated), os.cpu_count() or 1))
-            self._workers = RewardWorkers(processes, preload_modules(isolated))
+            preload = preload_modules(isolated)
+            self._workers = RewardWorkers(processes, preload, self.worker_memory_mb)
         by_name = spec.first if spec.by_name else ""
         args = (completions, spec.kwargs(columns), by_name, state, spec.context)
         return self._workers.submit(spec.fn, call_isolated, *args, timeout=self.timeout_s)

@@ -69,3 +69,11 @@ def nan_values(completions: list[str], **_: object) -> list[float]:
 def crash(completions: list[str], **_: object) -> list[float]:
     """Ends its process at once with exit code 3, as a segfaulting extension would."""
     os._exit(3)
+
+
+@run_in_process
+def allocate_gigabytes(completions: list[str], **_: object) -> list[float]:
+    """Asks for 6 GiB at once (a reward holding memory without bound): under the workers'
+    address-space budget the allocation fails at once, without touching a page."""
+    block = bytearray(6 << 30)
+    return [float(len(block) > 0)] * len(completions)

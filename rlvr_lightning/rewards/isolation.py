@@ -17,6 +17,7 @@ import ctypes
 import importlib
 import multiprocessing
 import pickle
+import resource
 import signal
 import sys
 import weakref
@@ -127,11 +128,29 @@ def _die_with_parent() -> None:
         pass
 
 
-def _init_worker(modules: tuple[str, ...]) -> None:
+# Address space of one reward worker by default (this project's choice): a verifier that parses
+# and compares answers needs far less; the forkserver's imports map ~0.7 GB of it here.
+DEFAULT_WORKER_MEMORY_MB = 4096
+
+
+def _limit_memory(memory_mb: int | None) -> None:
+    """Cap the worker's address space: an allocation past it raises ``MemoryError`` in the
+    reward (a counted failure) instead of growing until the kernel kills the trainer."""
+    if memory_mb is None:
+        return
+    limit = memory_mb << 20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _init_worker(modules: tuple[str, ...], memory_mb: int | None = None) -> None:
     # pebble installs a Python-level SIGTERM handler, which cannot run while native code holds
     # the GIL; the default action ends the worker at once when the pool stops it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
+    _limit_memory(memory_mb)
     for name in modules:
         try:
             importlib.import_module(name)
@@ -152,17 +171,26 @@ class RewardWorkers:
         preload: modules to import before the workers start (the modules that define the
             functions, e.g. from :func:`preload_modules`): imported once in the forkserver if
             this is the first pool of the process, else by each worker.
+        memory_mb: address-space cap of each worker (``RLIMIT_AS``); None: no cap.
 
     The pool starts on the first :meth:`submit` and is stopped by :meth:`close`, when the object
     is garbage-collected, or at interpreter exit. Pickling it (e.g. with the module) drops the
     live pool; the copy starts its own.
     """
 
-    def __init__(self, processes: int = 1, preload: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        processes: int = 1,
+        preload: Sequence[str] = (),
+        memory_mb: int | None = DEFAULT_WORKER_MEMORY_MB,
+    ) -> None:
         if processes < 1:
             raise ValueError(f"RewardWorkers needs processes >= 1; got {processes}.")
+        if memory_mb is not None and memory_mb < 64:
+            raise ValueError(f"RewardWorkers needs memory_mb >= 64 (or None); got {memory_mb}.")
         self.processes = processes
         self.preload = tuple(preload)
+        self.memory_mb = memory_mb
         self._pool: pebble.ProcessPool | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -185,16 +213,20 @@ class RewardWorkers:
         # Only read when the forkserver starts; "__main__" keeps multiprocessing's default.
         context.set_forkserver_preload(["__main__", *self.preload])
         self._pool = pebble.ProcessPool(
-            self.processes, initializer=_init_worker, initargs=(self.preload,), context=context
+            self.processes,
+            initializer=_init_worker,
+            initargs=(self.preload, self.memory_mb),
+            context=context,
         )
         self._finalizer = weakref.finalize(self, _stop, self._pool)
         return self._pool
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"processes": self.processes, "preload": self.preload}
+        return {"processes": self.processes, "preload": self.preload, "memory_mb": self.memory_mb}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(processes={self.processes}, preload={list(self.preload)})"
+        name, preload = type(self).__name__, list(self.preload)
+        return f"{name}(processes={self.processes}, preload={preload}, memory_mb={self.memory_mb})"

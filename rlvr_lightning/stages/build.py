@@ -178,6 +178,7 @@ def reward_combiner(rewards: Rewards, overlong: bool, sampling: Sampling) -> Rew
         max_failure_share=rewards.max_failure_share,
         failure_window=rewards.failure_window,
         max_abandoned_threads=rewards.max_abandoned_threads,
+        worker_memory_mb=rewards.worker_memory_mb,
     )
 
 

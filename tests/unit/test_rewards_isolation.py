@@ -179,3 +179,24 @@ def test_combiner_pickles_without_its_pool() -> None:
     copy.close()
     assert first.per_function["worker_pid"] != second.per_function["worker_pid"]
     assert copy.isolated == ["worker_pid"]
+
+
+def test_a_reward_past_the_workers_memory_budget_fails_its_rows_not_the_machine() -> None:
+    # 1 GiB budget, 6 GiB asked: MemoryError in the worker, the rows fail and are counted.
+    pool = RewardWorkers(1, preload=["rlvr_lightning.rewards.faults"], memory_mb=1024)
+    try:
+        combiner = RewardCombiner([faults.allocate_gigabytes], workers=pool, max_failure_share=None)
+        result = combiner(["a", "b"], {})
+        torch.testing.assert_close(result.total, torch.tensor([0.0, 0.0]))
+        assert result.metrics["reward/allocate_gigabytes/failures"] == 2.0
+    finally:
+        pool.close()
+
+
+def test_the_workers_memory_budget_is_checked() -> None:
+    with pytest.raises(ValueError, match="memory_mb >= 64"):
+        RewardWorkers(1, memory_mb=8)
+    assert (
+        RewardCombiner([boxed_accuracy]).worker_memory_mb
+        == isolation_module.DEFAULT_WORKER_MEMORY_MB
+    )
