@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 from rlvr_lightning.testing import byte_tokenizer
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr_lightning.cli import main
+from rlvr_lightning.cli.main import main
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 EXE = str(Path(sys.executable).parent / "rlvr-lightning")

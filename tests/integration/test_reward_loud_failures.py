@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import build_cli, main
+from rlvr_lightning.cli.main import build_cli, main
 
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 README = Path(__file__).parents[2] / "README.md"

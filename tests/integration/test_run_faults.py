@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr_lightning.cli import main
+from rlvr_lightning.cli.main import main
 from rlvr_lightning.runtime import checkpoint_files
 from rlvr_lightning.runtime.run_lock import LOCK_NAME, RunLock, RunLockError
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr_lightning.cli import build_cli
+from rlvr_lightning.cli.main import build_cli
 
 pytest.importorskip("trl")
 pytest.importorskip("math_verify")
