@@ -91,16 +91,16 @@ MODULES: dict[tuple, RLVRModule] = {}
 
 
 def _module(on: set[str]) -> RLVRModule:
-    """The module for ``on`` (shared by the pairs that configure it alike: no update runs, so
-    only the probe head, which buffers the step's rows, is built anew)."""
-    key = tuple(sorted(on & {"dynamic_sampling", "tis", "top_p_k", "value_head"}))
-    if "probe_head" in on or key not in MODULES:
-        module = _build_module(on)
-        prepare_model(module.policy, "cpu")  # what setup does for the run's device
-        if "probe_head" in on:
-            return module
-        MODULES[key] = module
-    return MODULES[key]
+    """The module for ``on``, shared by the pairs that configure it alike (no update runs;
+    the probe head, which buffers the step's rows, is replaced by an empty one)."""
+    key = tuple(sorted(on & {"dynamic_sampling", "tis", "top_p_k", "value_head", "probe_head"}))
+    if key not in MODULES:
+        MODULES[key] = _build_module(on)
+        prepare_model(MODULES[key].policy, "cpu")  # what setup does for the run's device
+    module = MODULES[key]
+    if module.probe_head is not None:  # an empty buffer: bootstrapping
+        module.probe_head = ProbeHead(module.probe_head.hidden_size)
+    return module
 
 
 def _build_module(on: set[str]) -> RLVRModule:
@@ -182,8 +182,7 @@ def _step(on: set[str], data_file) -> SimpleNamespace:
 
     def generate(b):
         b = run_hooks(trainer, module, "on_before_generate", b)
-        torch.manual_seed(len(b.prompt_ids))
-        scored = _outcome(module.score(b, module.rollout(b)), next(patterns)[: len(b)])
+        scored = _outcome(module.score(b, _rollout(module, b)), next(patterns)[: len(b)])
         module.step_batch = b
         return run_hooks(trainer, module, "on_after_score", scored)
 
@@ -206,6 +205,22 @@ def _step(on: set[str], data_file) -> SimpleNamespace:
         module=module, dm=dm, batch=batch, round0=round0, scored=scored, groups=groups, adv=adv,
         out=out, callbacks=callbacks,
     )  # fmt: skip
+
+
+ROLLOUTS: dict[tuple, Rollouts] = {}
+
+
+def _rollout(module: RLVRModule, batch) -> Rollouts:
+    """``module.rollout``, seeded, once per module and sampling input (pairs share most)."""
+    schedule = batch.position_temperatures
+    key = (
+        id(module), tuple(batch.prompt_ids), tuple(batch.temperatures or ()),
+        None if schedule is None else tuple(schedule.tolist()),
+    )  # fmt: skip
+    if key not in ROLLOUTS:
+        torch.manual_seed(len(batch.prompt_ids))
+        ROLLOUTS[key] = module.rollout(batch)
+    return ROLLOUTS[key]
 
 
 def _prime(callbacks: list, module: RLVRModule, batch) -> None:
@@ -278,6 +293,13 @@ def _check_outcome(s: SimpleNamespace, on: set[str], k: list[int]) -> None:
         pool = s.callbacks[0].pool
         assert ids[2] == "pooled" and "pooled" not in pool.entries  # seen at k = 0 (E1)
         assert ids[0] in pool.entries and s.dm.composer.retired == {ids[1]}  # K/K (D4)
+        # Stored: the trainer's π_old where the sampler is not the trainer (E4), else its own.
+        traj, r0 = pool.trajectories(ids[0])[0], s.round0.rollouts
+        n = len(traj.token_ids)
+        want = _full_logprobs(s.module, r0) if on & {"ead", "top_p_k", "tis"} else r0.behaviour_logp
+        torch.testing.assert_close(
+            torch.tensor(traj.behaviour_logp), want[0, :n], atol=1e-4, rtol=0
+        )
 
 
 def _check_selection(s: SimpleNamespace, on: set[str], k: list[int]) -> None:
