@@ -154,3 +154,22 @@ def check_columns(trainer: pl.Trainer, names: list[str], who: str) -> None:
             "Map one with data.columns (e.g. {prompt: question, answer: answer, solution: "
             "solution}) or set the callback's column arguments."
         )
+
+
+def check_curriculum_judge(trainer: pl.Trainer, who: str) -> None:
+    """Raise when the data module's curriculum would mask every group ``who`` injects into:
+    it judges the sampled rows (``judge: sampled``) while ``who`` injects only into groups
+    whose samples all failed, which score 0 there and never reach κ > 0."""
+    curriculum = getattr(getattr(trainer, "datamodule", None), "curriculum", None)
+    if curriculum is None or getattr(curriculum, "judge", "trained") != "sampled":
+        return
+    if max(curriculum.kappa_start, curriculum.kappa_end) <= 0:
+        return
+    raise ValueError(
+        f"{who} injects only into groups whose samples all failed, but data.curriculum "
+        "(VarianceCurriculum) has judge: sampled, so its κ mask scores those groups 0 and "
+        "drops every one it rescues: the injection would never train. Set "
+        "data.curriculum.init_args.judge: trained (the group as trained, the default), or "
+        "inject into more groups (GroundTruthInjection max_pass_rate > 0 or null; "
+        "MixedPolicyGuidance injection: always)."
+    )

@@ -28,7 +28,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from rlvr_lightning.callbacks._guidance import GuidanceCallback, check_columns, reference_text
+from rlvr_lightning.callbacks._guidance import (
+    GuidanceCallback,
+    check_columns,
+    check_curriculum_judge,
+    reference_text,
+)
 from typing_extensions import override
 
 from rlvr_lightning.algorithms import advantages as adv_lib
@@ -105,6 +110,8 @@ class GroundTruthInjection(GuidanceCallback):
                 "set model.estimator or reward_capping: false."
             )
         check_columns(trainer, [self.solution_column, self.answer_column], "GroundTruthInjection")
+        if self.max_pass_rate == 0.0:
+            check_curriculum_judge(trainer, "GroundTruthInjection (max_pass_rate: 0)")
 
     @override
     def on_after_score(self, trainer: pl.Trainer, module: RLVRModule, scored: Scored) -> Scored:

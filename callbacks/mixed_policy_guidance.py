@@ -8,7 +8,7 @@ when it is injected:
 - AMPO (arXiv 2510.02227): ``source: teacher`` (a column holding one or several teacher
   responses per prompt), ``injection: on_all_fail``, ``num_replaced: 2``, ``teacher_selection:
   comprehension`` (the teacher reasoning under which the policy most expects the ground-truth
-  answer), ``reward: 1.0``.
+  answer), ``reward: 1.0`` (a floor on the accuracy reward: the teacher counts as correct).
 - ExGRPO (arXiv 2510.02245): ``source: experience`` (the run's own correct trajectories with
   their behaviour log-probs, :class:`~rlvr_lightning.guidance.experience
   .ExperiencePool`), ``injection:
@@ -34,6 +34,7 @@ import torch
 from rlvr_lightning.callbacks._guidance import (
     GuidanceCallback,
     check_columns,
+    check_curriculum_judge,
     join_batches,
     pooled_batch,
     pooled_prompt,
@@ -42,13 +43,15 @@ from rlvr_lightning.callbacks._guidance import (
 from rlvr_lightning.callbacks._policy_scores import comprehension, lowest_entropy
 from typing_extensions import override
 
+from rlvr_lightning.algorithms.correction import needs_trainer_logprobs
 from rlvr_lightning.algorithms.offpolicy import Composition, guidance_slots
 from rlvr_lightning.data.stream import rng_state, set_rng_state
 from rlvr_lightning.guidance.experience import ExperiencePool, Trajectory
 from rlvr_lightning.guidance.teacher import TeacherModel
 from rlvr_lightning.module import RLVRModule
-from rlvr_lightning.stages.offpolicy import Member, inject, prompt_rows
-from rlvr_lightning.types import PromptBatch, Rollouts, Scored
+from rlvr_lightning.stages.offpolicy import Member, inject, prompt_rows, select_rows
+from rlvr_lightning.stages.old_logprobs import with_trainer_logprobs
+from rlvr_lightning.types import PromptBatch, Rollouts, Scored, StepOutput
 
 Source = Literal["reference", "teacher", "experience"]
 Injection = Literal["always", "on_all_fail", "delayed"]
@@ -79,7 +82,12 @@ class MixedPolicyGuidance(GuidanceCallback):
         teacher_selection: with several teacher responses, ``order`` takes the first ones,
             ``comprehension`` the ones under which the policy gives the ground-truth answer the
             highest mean token probability (AMPO's ``mean_exp_log_softmax``).
-        reward: total reward forced on injected members (AMPO: 1.0); None = verifier's.
+        reward: floor on injected members' accuracy reward (AMPO: 1.0), on that reward's
+            scale: ``max(verifier's value, reward)``; the total reward moves by the accuracy
+            weight times the change and the member's ``correct`` flag follows, so a teacher
+            the verifier scored higher keeps its score and one it rejected still rescues its
+            group under ``informative: accuracy`` (``offpolicy.floor_accuracy``). None = the
+            verifier's.
         experience_ratio: share of each batch's prompts replaced by pooled questions.
         pool_questions: questions the experience pool keeps.
         pool_trajectories: trajectories kept per pooled question.
@@ -88,6 +96,9 @@ class MixedPolicyGuidance(GuidanceCallback):
             ``auto`` (``replace_random`` for ``source: teacher`` as AMPO, else ``append`` as
             LUFFY and ExGRPO), ``append``, ``replace_random`` or ``replace_last``.
         seed: seed of experience sampling and of ``replace_random``.
+        retire_solved: ``source: experience``: a question whose ``G`` samples all solved it
+            leaves the pool and joins the data module's skip set (``retire_prompts``), so
+            it is never served again, fresh, replayed or banked (ExGRPO's ``skip_uid_set``).
     """
 
     def __init__(
@@ -110,6 +121,7 @@ class MixedPolicyGuidance(GuidanceCallback):
         bucket_sigma: float = 1.0,
         composition: Literal["auto"] | Composition = "auto",
         seed: int = 0,
+        retire_solved: bool = True,
     ) -> None:
         if num_replaced < 1:
             raise ValueError(f"num_replaced must be >= 1, got {num_replaced}.")
@@ -123,6 +135,7 @@ class MixedPolicyGuidance(GuidanceCallback):
         self.teacher_model, self.teacher_candidates = teacher_model, teacher_candidates
         self.teacher: TeacherModel | None = None
         self.reward, self.experience_ratio, self.seed = reward, experience_ratio, seed
+        self.retire_solved = retire_solved
         auto = "replace_random" if source == "teacher" else "append"
         self.composition: Composition = auto if composition == "auto" else composition
         self.slot_rng = random.Random(seed)
@@ -145,6 +158,8 @@ class MixedPolicyGuidance(GuidanceCallback):
                 f"fewer than 2 on-policy ones; raise model.sampling.group_size to at least "
                 f"{self.num_replaced + 2} or lower num_replaced."
             )
+        if self.injection == "on_all_fail":
+            check_curriculum_judge(trainer, "MixedPolicyGuidance (injection: on_all_fail)")
         if self.source == "reference":
             check_columns(trainer, [self.solution_column, self.answer_column], "source reference")
         elif self.source == "teacher":
@@ -236,7 +251,7 @@ class MixedPolicyGuidance(GuidanceCallback):
             members += self._members(module, batch, scored.rollouts, b, rows, generated.get(b))
         scored = inject(module, batch, scored, members)
         if self.pool is not None:  # after choosing: a group never replays its own samples
-            self._record(batch, rollouts, correct & on, solved)
+            self._record(batch, rollouts, correct & on, solved, module)
         scored.metrics.update(
             {
                 "guidance/injected": float(len(members)),
@@ -247,6 +262,17 @@ class MixedPolicyGuidance(GuidanceCallback):
         if self.pool is not None:
             scored.metrics["guidance/pool_questions"] = float(len(self.pool))
         return scored
+
+    @override
+    def on_step_output(self, trainer: pl.Trainer, module: RLVRModule, output: StepOutput) -> None:
+        """ExGRPO's retirement in the data: the step's questions solved ``K/K`` (all ranks'
+        observations, so every rank's data module retires the same) join the skip set."""
+        datamodule = getattr(trainer, "datamodule", None)
+        if self.pool is None or not self.retire_solved or datamodule is None:
+            return
+        if hasattr(datamodule, "retire_prompts"):
+            solved = [o.prompt_id for o in datamodule.last_observed if o.pass_rate >= 1.0]
+            datamodule.retire_prompts(solved)
 
     # ---- members of one group ----------------------------------------------------------------
 
@@ -320,26 +346,51 @@ class MixedPolicyGuidance(GuidanceCallback):
     # ---- experience collection -------------------------------------------------------------
 
     def _record(
-        self, batch: PromptBatch, rollouts: Rollouts, keep: torch.Tensor, solved: torch.Tensor
-    ) -> None:
+        self, batch: PromptBatch, rollouts: Rollouts, keep: torch.Tensor, solved: torch.Tensor,
+        module: RLVRModule,
+    ) -> None:  # fmt: skip
         """ExGRPO's collection step: each question goes to the bucket of its sampled correct
         count ``solved`` ``[B]``; the rows ``keep`` ``[B, G]`` (correct samples still in the
-        batch) are stored as its trajectories."""
+        batch) are stored as its trajectories, with ``π_old``'s log-probs as the trainer
+        scores them (``_stored_logprobs``)."""
         assert self.pool is not None
         g = rollouts.group_size
+        rows = keep.reshape(-1).nonzero().view(-1).tolist()  # kept rows, in order
+        logp, temps = _stored_logprobs(module, rollouts, rows)  # [n, T], [n]
         lengths = rollouts.completion_mask.sum(-1).tolist()  # [N]
+        stored: dict[int, list[Trajectory]] = {}
+        for i, row in enumerate(rows):
+            n = int(lengths[row])
+            stored.setdefault(row // g, []).append(
+                Trajectory(
+                    token_ids=rollouts.completion_ids[row, :n].tolist(),
+                    behaviour_logp=logp[i, :n].tolist(),
+                    temperature=float(temps[i]),
+                    text=rollouts.completions[row],
+                )
+            )
         for b, pid in enumerate(batch.prompt_ids):
-            trajs = []
-            for i in range(g):
-                row = b * g + i
-                if keep[b, i]:
-                    n = int(lengths[row])
-                    trajs.append(
-                        Trajectory(
-                            token_ids=rollouts.completion_ids[row, :n].tolist(),
-                            behaviour_logp=rollouts.behaviour_logp[row, :n].tolist(),
-                            temperature=float(rollouts.temperature[row]),
-                            text=rollouts.completions[row],
-                        )
-                    )
-            self.pool.record(pid, pooled_prompt(batch, b), int(solved[b]), g, trajs)
+            self.pool.record(pid, pooled_prompt(batch, b), int(solved[b]), g, stored.get(b, []))
+
+
+def _stored_logprobs(
+    module: RLVRModule, rollouts: Rollouts, rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([n, T] log-probs, [n] temperatures)`` to store for ``rows``: ExGRPO's ``π_θpast``
+    is the actor's ``π_old`` at collection time. Where the module would recompute ``π_old``
+    with the trainer (``correction.needs_trainer_logprobs``: an EAD schedule, a per-prompt
+    temperature, top-p/top-k, an engine with its own weights), the stored log-probs are that
+    no-grad trainer pass at the base temperature, which the replayed row is scored at; else
+    the sampler's own."""
+    sub = select_rows(rollouts, rows)
+    s, choice = module.sampling, module.options.correction.old_logprobs
+    truncated = s.top_p < 1.0 or s.top_k > 0
+    shares = module.engine.shares_policy
+    if not rows or not needs_trainer_logprobs(choice, shares, sub, s.temperature, truncated):
+        return sub.behaviour_logp, sub.temperature
+    mb, cap = module.options.update.micro_batch_size, module.options.correction.cap
+    with torch.no_grad():
+        r, _ = with_trainer_logprobs(
+            module.policy, sub, mb, s.temperature, cap, None, module.updater.head_chunk_tokens
+        )
+    return r.old_logp, r.temperature

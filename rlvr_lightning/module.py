@@ -1,12 +1,13 @@
 """RLVRModule: the policy, its reference, and a training step that orchestrates the stages.
 
 ``training_step`` = ``rollout`` -> ``score`` -> ``recompute_old_logprobs`` ->
-``compute_advantages`` -> ``select_groups`` -> ``update`` -> ``publish``; each is a public
+``select_groups`` -> ``compute_advantages`` -> ``update`` -> ``publish``; each is a public
 method a subclass may override. The maths lives in ``algorithms``, the stages in ``stages``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -17,7 +18,7 @@ import torch
 from rlvr_lightning import models
 from rlvr_lightning.algorithms.metrics import EvalMetrics
 from rlvr_lightning.algorithms.offpolicy import mixed_advantages
-from rlvr_lightning.algorithms.outcomes import informative_groups, sampled_rows
+from rlvr_lightning.algorithms.outcomes import informative_groups
 from rlvr_lightning.algorithms.presets import AlgorithmName, EstimatorName, Preset, get_preset
 from rlvr_lightning.device import prepare_model
 from rlvr_lightning.heads import ProbeHead, ValueHead
@@ -195,29 +196,32 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         """Advantages ``[N]`` (or ``[N, T]``) from the rewards; override to change the estimator.
 
         Groups with off-policy members use ``algorithms.offpolicy.mixed_advantages``; ``gae``
-        reads the value head's ``V_old``, ``probe`` the probe head's predictions.
+        reads the value head's ``V_old`` and whitens over ``scored.trained_groups``' tokens,
+        ``probe`` the probe head's predictions.
         """
-        extra = {} if self.value_head is None else self.value_head.estimator_kwargs(scored.rollouts)
+        extra, groups = {}, scored.trained_groups
+        if self.value_head is not None:
+            rows = None if groups is None else groups.repeat_interleave(scored.rollouts.group_size)
+            extra = self.value_head.estimator_kwargs(scored.rollouts, rows)
         if self.probe_head is not None:
             extra = self.probe_head.estimator_kwargs(scored)
-        baseline = self.options.offpolicy.baseline
-        return mixed_advantages(scored, self.estimator, baseline, **extra)
+        return mixed_advantages(scored, self.estimator, self.options.offpolicy.baseline, **extra)
 
     def select_groups(self, batch: PromptBatch, scored: Scored) -> torch.Tensor:
         """``[B]`` bool: groups the update uses.
 
         With filtering or dynamic sampling on, a group must be informative as trained
         (``algorithms.outcomes.informative_groups`` by ``self.informative``, injected members
-        included); the data module's curriculum, if any, judges the sampled rows only.
+        included); the data module's curriculum, if any, judges the rows its ``judge`` names
+        (as trained by default, ``data.curriculum.VarianceCurriculum``).
         """
         g = scored.rollouts.group_size
         keep = torch.ones(len(batch), dtype=torch.bool)  # [B]
         if self.filter_zero_variance or self.options.selection.dynamic_sampling:
             keep &= informative_groups(scored.correct, scored.rewards, g, self.informative)
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        if hasattr(datamodule, "train_group_mask"):
-            correct, rewards = sampled_rows(scored)
-            mask = datamodule.train_group_mask(correct.view(-1, g), rewards.view(-1, g))
+        if hasattr(datamodule, "judged_group_mask"):  # the curriculum's κ
+            mask = datamodule.judged_group_mask(scored)
             keep = keep if mask is None else keep & mask.cpu()
         return keep
 
@@ -233,12 +237,13 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             batch, scored, extra = self._refill(batch, scored)
         self._clock.lap()
         scored, mismatch = self.recompute_old_logprobs(scored)
-        advantages = self.compute_advantages(scored)
-        if self.probe_head is not None:  # POISE: advantages first, then the step's rows
-            extra.update(self.probe_head.observe(scored))
         groups = self.select_groups(batch, scored)  # [B]
         if self.options.selection.dynamic_sampling:
             groups = keep_first(groups, target)
+        scored = dataclasses.replace(scored, trained_groups=groups)
+        advantages = self.compute_advantages(scored)
+        if self.probe_head is not None:  # POISE: advantages first, then the step's rows
+            extra.update(self.probe_head.observe(scored))
         optimiser_steps = self.global_step
         update_metrics = self.update(scored, advantages, groups)
         self._clock.lap()

@@ -178,9 +178,10 @@ class Correction:
     Args:
         old_logprobs: ``engine`` (the behaviour log-probs recorded while sampling), ``trainer``
             (a no-grad forward in the update's precision; the behaviour log-probs then only
-            weight the loss) or ``auto`` (``trainer`` when the engine holds its own weights, or
-            when sampled tokens were drawn at a temperature other than
-            ``sampling.temperature``; else ``engine``). See ``algorithms.correction``.
+            weight the loss) or ``auto`` (``trainer`` when the engine holds its own weights,
+            when the sampler truncates (``sampling.top_p < 1`` or ``top_k > 0``), or when
+            sampled tokens were drawn at a temperature other than ``sampling.temperature``;
+            else ``engine``). See ``algorithms.correction``.
         mode: tokens sampled by a different distribution: ``tis``
             (``min(π_old/π_behaviour, cap)``), ``mask`` (drop tokens whose ratio leaves
             ``[1/cap, cap]``) or ``none``.

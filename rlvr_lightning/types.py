@@ -184,6 +184,9 @@ class Scored:
     advantage_cap: torch.Tensor | None = None  # [N] upper bound on each row's advantage
     sampled_correct: torch.Tensor | None = None  # [N] bool, before any hook
     sampled_rewards: torch.Tensor | None = None  # [N], before any hook
+    # [B] bool, groups the update uses (``select_groups``), set by ``training_step`` before the
+    # advantages; None = all. GAE whitens over their tokens only.
+    trained_groups: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

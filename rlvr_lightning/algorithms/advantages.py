@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from rlvr_lightning.algorithms.ops import masked_whiten
+from rlvr_lightning.algorithms.ops import masked_mean, masked_var
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "gae", "probe"]
 
@@ -171,6 +171,7 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    whiten_rows: torch.Tensor | None = None,
     predictions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The advantage estimator named ``estimator``, applied to ``[N]`` rewards.
@@ -179,8 +180,10 @@ def compute_advantages(
     group advantage), ``"dr_grpo"`` (group advantage without std) and ``"rloo"`` return ``[N]``;
     ``"gae"`` (:func:`gae` with ``values``, ``mask``, ``gamma``, ``lam``) returns ``[N, T]``,
     whitened over the batch's valid tokens (``ops.masked_whiten``, as verl) unless ``whiten``
-    is False. ``"probe"`` (:func:`poise_advantages` with ``predictions``, ``[N]`` probe outputs)
-    returns ``[N]``.
+    is False; ``whiten_rows`` (``[N]`` bool, the rows the update trains) restricts the
+    whitening statistics to their tokens (:func:`whiten_over`), so groups the selection drops
+    never shape the trained groups' advantages. ``"probe"`` (:func:`poise_advantages` with
+    ``predictions``, ``[N]`` probe outputs) returns ``[N]``.
     """
     match estimator:
         case "grpo":
@@ -196,7 +199,7 @@ def compute_advantages(
                     "computes them with a value head (model.init_args.value_head)."
                 )
             advantages, _ = gae(rewards, values, mask, gamma, lam)  # [N, T]
-            return masked_whiten(advantages, mask) if whiten else advantages
+            return whiten_over(advantages, mask, whiten_rows) if whiten else advantages
         case "probe":
             if predictions is None:
                 raise ValueError(
@@ -208,6 +211,20 @@ def compute_advantages(
         f"Unknown advantage estimator {estimator!r}; use 'grpo', 'dr_grpo', 'rloo', 'gae' or "
         "'probe'."
     )
+
+
+def whiten_over(
+    x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None = None, eps: float = 1e-8
+) -> torch.Tensor:
+    """``[N, T]`` ``x`` whitened on every valid token of ``mask`` with the mean and variance of
+    the valid tokens of ``rows`` (``[N]`` bool; None or no token there: all rows), 0 on
+    padding. Hand check: ``x = [[1, 3], [100, 100]]``, all valid, ``rows = [True, False]``:
+    mean 2, variance 2 (unbiased, as ``ops.masked_var``), so row 0 becomes ``[-1, 1] / √2``."""
+    stat = mask if rows is None else mask * rows.to(mask.device)[:, None].to(mask.dtype)
+    if not bool(stat.bool().any()):
+        stat = mask
+    mean, var = masked_mean(x, stat), masked_var(x, stat)  # [], []
+    return torch.where(mask.bool(), (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def masked_group_advantages(

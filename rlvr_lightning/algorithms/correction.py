@@ -89,20 +89,29 @@ def mismatch_metrics(
 
 
 def needs_trainer_logprobs(
-    choice: str, engine_shares_policy: bool, rollouts: Rollouts, base_temperature: float
+    choice: str,
+    engine_shares_policy: bool,
+    rollouts: Rollouts,
+    base_temperature: float,
+    truncated_sampler: bool = False,
 ) -> bool:
     """Whether ``π_old`` must come from the trainer: ``choice`` is ``trainer``, or ``auto``
-    and the sampler differs from the trainer (an engine with its own weights, or sampled
-    tokens of on-policy rows drawn at a temperature other than ``base_temperature``: a
-    per-row temperature, or a per-position schedule such as EAD's)."""
+    and the sampler differs from the trainer: an engine with its own weights; a sampler that
+    truncates the distribution (``truncated_sampler``: ``top_p < 1`` or ``top_k > 0``, whose
+    log-probs are those of the renormalised nucleus while the loss's ``π_θ`` is the full
+    softmax, so the first ratio would sit below 1 before any update); or sampled tokens of
+    on-policy rows drawn at a temperature other than ``base_temperature`` (a per-row
+    temperature, or a per-position schedule such as EAD's). The sampler's log-probs then
+    enter only through the correction weights (TIS)."""
     if choice in ("trainer", "engine"):
         return choice == "trainer"
     if choice != "auto":
         raise ValueError(f"old_logprobs must be 'auto', 'engine' or 'trainer', got {choice!r}.")
+    if not engine_shares_policy or truncated_sampler:
+        return True
     on = rows_without_injected_tokens(rollouts)  # [N]
     sampled = rollouts.completion_mask.bool() & on[:, None]  # [N, T]
-    retempered = bool((rollouts.token_temperature[sampled] != base_temperature).any())
-    return not engine_shares_policy or retempered
+    return bool((rollouts.token_temperature[sampled] != base_temperature).any())
 
 
 def rows_without_injected_tokens(rollouts: Rollouts) -> torch.Tensor:
@@ -110,5 +119,3 @@ def rows_without_injected_tokens(rollouts: Rollouts) -> torch.Tensor:
     if rollouts.offpolicy_mask is None:
         return torch.ones(rollouts.num_rows, dtype=torch.bool, device=rollouts.temperature.device)
     return ~rollouts.offpolicy_mask.bool().any(-1)
-
-

@@ -64,6 +64,30 @@ def guidance_slots(
     )
 
 
+def floor_accuracy(
+    total: torch.Tensor,
+    accuracy: torch.Tensor,
+    floor: torch.Tensor | float,
+    weight: float,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AMPO's forced teacher reward on the accuracy reward's own scale (spec §4.3: "if its
+    score was below 1, the reward is set to 1"): each row's accuracy value becomes
+    ``max(accuracy, floor)`` (``floor``: a number or ``[n]``) and its total reward moves by
+    ``weight`` times the change, so a
+    teacher the verifier scored higher keeps its score and the other rewards (format, ...)
+    keep theirs. Returns ``[n]`` ``(total, accuracy, correct)``, ``correct`` by ``threshold``.
+
+    Hand check (accuracy and format rewards, weights 1 and 1, floor 1, threshold 1): a wrong
+    but boxed teacher ``(total 1, acc 0)`` becomes ``(2, 1, True)``; a correct one ``(2, 1)``
+    stays ``(2, 1, True)``; a not-applicable accuracy (NaN) counts as 0.
+    """
+    old = accuracy.float().nan_to_num(0.0)  # [n]
+    new = torch.maximum(old, torch.as_tensor(floor, dtype=old.dtype, device=old.device))  # [n]
+    raised = total.float() + weight * (new - old)  # [n]
+    return raised.to(total.dtype), new, new >= threshold
+
+
 def mixed_advantages(
     scored: Scored, estimator: str, baseline: BaselineMode, **estimator_kwargs: Any
 ) -> torch.Tensor:

@@ -54,6 +54,7 @@ class StepComposer:
         self.cursor = StreamCursor()
         self.rng = random.Random(seed)
         self.served: set[str] = set()  # prompts of the current step served as replays
+        self.retired: set[str] = set()  # prompts never served again (ExGRPO's skip set)
         self.pending: dict[str, Any] | None = None  # state before the untrained current step
         self._by_id: dict[str, Example] = {}
         self._fresh: FreshPrompts | None = None
@@ -73,11 +74,11 @@ class StepComposer:
         in a seeded order (so replays spread over ranks)."""
         replays, banked = [], []
         if self.replay is not None:
-            replays = self.replay.select(self.steps, self.replay.budget(total), ())
+            replays = self.replay.select(self.steps, self.replay.budget(total), self.retired)
         if self.curriculum is not None:
-            banked = self.curriculum.fill(total, set(replays))
+            banked = self.curriculum.fill(total, set(replays) | self.retired)
         served = replays + banked
-        fresh = self._fresh_prompts().take(total - len(served), set(served))
+        fresh = self._fresh_prompts().take(total - len(served), set(served) | self.retired)
         picked = [self._by_id[pid] for pid in served] + fresh
         self.rng.shuffle(picked)
         self.served = set(served)
@@ -86,7 +87,12 @@ class StepComposer:
     def draw(self, total: int, exclude: Sequence[str] = ()) -> list[Example]:
         """``total`` more fresh prompts within the current step, none of ``exclude`` or of the
         step's replays."""
-        return self._fresh_prompts().take(total, set(exclude) | self.served)
+        return self._fresh_prompts().take(total, set(exclude) | self.served | self.retired)
+
+    def retire(self, prompt_ids: Sequence[str]) -> None:
+        """Never serve ``prompt_ids`` again, fresh, replayed or from the bank (ExGRPO retires
+        a question its ``K`` samples all solved: it leaves the data for later epochs)."""
+        self.retired.update(prompt_ids)
 
     def begin_step(self) -> None:
         """Until ``observe`` reports the step about to be composed, ``state_dict`` saves the
@@ -108,6 +114,8 @@ class StepComposer:
         self.stats.record(self.steps, observed)
         if self.replay is not None:
             self.replay.observe(self.steps, observed)
+            # A replay a callback displaced (ExGRPO's mix-in) was never observed: release it.
+            self.replay.release(self.served - {o.prompt_id for o in observed})
         if self.curriculum is not None:
             scores = [self.curriculum.observation_score(o) for o in observed]
             trained = [o.trained for o in observed]
@@ -135,6 +143,7 @@ class StepComposer:
             "seed": self.seed,
             "steps": self.steps,
             "stats": self.stats.state_dict(),
+            "retired": sorted(self.retired),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -157,4 +166,5 @@ class StepComposer:
         if self.curriculum is not None:
             self.curriculum.load_state_dict(state_dict["curriculum"])
         self.stats.load_state_dict(state_dict["stats"])
+        self.retired = set(state_dict.get("retired", []))  # absent in older checkpoints
         self.steps, self.pending = state_dict["steps"], None

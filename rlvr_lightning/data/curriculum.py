@@ -124,6 +124,12 @@ class VarianceCurriculum:
         bank_min_score: a prompt enters the bank when its score is at least this.
         bank_max_age: steps a bank entry stays valid.
         max_fill_fraction: at most this share of a step's prompts comes from the bank.
+        judge: which rows the κ mask scores: ``trained`` (default), the group as the update
+            sees it, injected members (a reference, a teacher) included, so a group that
+            ``GroundTruthInjection`` rescues from ``k = 0`` is judged with its reference and
+            can train; or ``sampled``, the policy's own ``G`` samples (then injection into
+            all-wrong groups is refused at setup: every such group would score 0 and be
+            masked). This project's choice; the bank always scores the sampled outcome.
     """
 
     def __init__(
@@ -136,15 +142,18 @@ class VarianceCurriculum:
         bank_min_score: float = 0.75,
         bank_max_age: int = 50,
         max_fill_fraction: float = 0.5,
+        judge: Literal["trained", "sampled"] = "trained",
     ) -> None:
         if score_on not in ("correct", "reward"):
             raise ValueError(f"score_on must be 'correct' or 'reward', got {score_on!r}.")
+        if judge not in ("trained", "sampled"):
+            raise ValueError(f"judge must be 'trained' or 'sampled', got {judge!r}.")
         if not 0.0 <= max_fill_fraction <= 1.0:
             raise ValueError(f"max_fill_fraction must be in [0, 1], got {max_fill_fraction}.")
         self.config = {k: v for k, v in locals().items() if k != "self"}  # plain data, for cards
         self.kappa_start, self.kappa_end, self.ramp_steps = kappa_start, kappa_end, ramp_steps
         self.score_on, self.bank_min_score = score_on, bank_min_score
-        self.max_fill_fraction = max_fill_fraction
+        self.max_fill_fraction, self.judge = max_fill_fraction, judge
         self.bank = MemoryBank(bank_capacity, bank_max_age)
         self.freed = 0  # slots the filter freed at the last step, to refill from the bank
 

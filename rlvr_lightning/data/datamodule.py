@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from rlvr_lightning.algorithms.outcomes import sampled_rows
 from rlvr_lightning.data.composition import StepComposer
 from rlvr_lightning.data.curriculum import VarianceCurriculum
 from rlvr_lightning.data.loaders import eval_loader, train_loader
@@ -44,7 +45,7 @@ from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
 from rlvr_lightning.data.stats import Observation, PromptStats
 from rlvr_lightning.data.stream import PromptStream, StepTicket
-from rlvr_lightning.types import PromptBatch, StepOutput
+from rlvr_lightning.types import PromptBatch, Scored, StepOutput
 
 
 def _check_positive(**values: int) -> None:
@@ -127,10 +128,9 @@ class RLVRDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         _check_positive(
-            train_size=train_size,
-            prompts_per_step=prompts_per_step,
+            train_size=train_size, prompts_per_step=prompts_per_step,
             val_prompts_per_batch=val_prompts_per_batch,
-        )
+        )  # fmt: skip
         if val_size < 0:
             raise ValueError(f"val_size must be >= 0, got {val_size}.")
         source, val_source, test_source = map(source_as_str, (source, val_source, test_source))
@@ -353,6 +353,21 @@ class RLVRDataModule(pl.LightningDataModule):
     def train_group_mask(self, correct: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor | None:
         """``[B]`` bool: groups of ``[B, G]`` results allowed to train (None: all)."""
         return self.composer.group_mask(correct, rewards)
+
+    def judged_group_mask(self, scored: Scored) -> torch.Tensor | None:
+        """``[B]`` bool: groups of a step allowed to train (None: all), judged on the rows
+        ``VarianceCurriculum.judge`` names (as trained, or as sampled)."""
+        curriculum = self.composer.curriculum
+        if curriculum is None:
+            return None
+        g = scored.rollouts.group_size
+        trained = curriculum.judge == "trained"
+        correct, rewards = (scored.correct, scored.rewards) if trained else sampled_rows(scored)
+        return self.train_group_mask(correct.view(-1, g), rewards.view(-1, g))
+
+    def retire_prompts(self, prompt_ids: Sequence[str]) -> None:
+        """Never serve ``prompt_ids`` again (``StepComposer.retire``; saved in checkpoints)."""
+        self.composer.retire(prompt_ids)
 
     def on_step_output(self, output: StepOutput) -> None:
         """Hook the module calls after every training step with that step's ``StepOutput``.

@@ -159,6 +159,17 @@ class PromptReplay:
             self.active.add(pid)
         return chosen
 
+    def release(self, prompt_ids: Container[str]) -> None:
+        """Replays served but never observed (a callback took their slot, e.g. ExGRPO's
+        mix-in): no longer in flight, their reuse given back and their heap entry restored,
+        so they can be replayed again instead of waiting in flight for ever."""
+        for pid in sorted(p for p in self.active if p in prompt_ids):
+            self.active.discard(pid)
+            self.reuse[pid] = max(self.reuse.get(pid, 0) - 1, 0)
+            p = self.pass_rates.get(pid)
+            if p is not None and self._admissible(pid, p):
+                heapq.heappush(self.heap, priority(p, self.reuse[pid], pid))
+
     def __len__(self) -> int:
         return len(self.heap)
 

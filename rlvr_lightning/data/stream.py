@@ -84,8 +84,9 @@ class FreshPrompts:
             if example.prompt_id in exclude or example.prompt_id in seen:
                 if scanned > 2 * len(self.examples):
                     raise ValueError(
-                        f"Only {len(picked)} of {n} fresh prompts are not already in this step; "
-                        "add training data or lower the replay/bank share."
+                        f"Only {len(picked)} of {n} fresh prompts are not already in this step "
+                        "or retired (MixedPolicyGuidance retire_solved); add training data, "
+                        "lower the replay/bank share or set retire_solved: false."
                     )
                 continue
             picked.append(example)

@@ -2,8 +2,8 @@
 
 Spec §4.2 (``ExGRPO/.../experience_bucket_manager.py``, ``weighted_bucket_sampler.py``). After
 each step a question with ``k`` of ``K`` on-policy samples correct is retired when ``k == K``,
-and otherwise moves to bucket ``k``; for ``0 < k < K`` its correct trajectories are stored with
-their behaviour log-probs. Questions are replayed by drawing buckets with
+leaves the pool when ``k == 0``, and otherwise moves to bucket ``k``, its correct trajectories
+stored with their behaviour log-probs. Questions are replayed by drawing buckets with
 ``P(k) ∝ N(k; K/2, sigma)`` (``sigma`` in counts, as the code; the paper's summaries use
 accuracy units) and questions uniformly within a bucket. The state is plain data, so it goes
 into checkpoints as is.
@@ -76,15 +76,21 @@ class ExperiencePool:
     ) -> None:
         """One question's step result: ``correct`` of ``total`` on-policy samples.
 
-        ``prompt`` is what is needed to ask the question again (messages and columns).
+        ``prompt`` is what is needed to ask the question again (messages and columns). A
+        question solved ``K/K`` retires; one seen at ``k = 0`` is not stored, and a pooled one
+        loses its bucket and stored trajectories (they would replay a solution the policy can
+        no longer find as if it were still in reach; ExGRPO keeps only ``0 < k < K``).
         """
         if correct >= total:
             self.entries.pop(prompt_id, None)
             self.retired.add(prompt_id)
             return
+        if correct == 0:  # outside (0, K): not stored, and what was stored goes (spec §4.2)
+            self.entries.pop(prompt_id, None)
+            return
         entry = self.entries.get(prompt_id)
         if entry is None:
-            if correct == 0 or prompt_id in self.retired:
+            if prompt_id in self.retired:
                 return
             entry = self.entries[prompt_id] = {"prompt": prompt, "trajectories": []}
         entry["bucket"] = correct

@@ -67,7 +67,8 @@ class RidgeProbe(nn.Module):
         response_pca: principal components kept of the response feature.
         alpha: ridge penalty.
         low: predictions are clipped to ``[low, high]`` (POISE: ``[0, 1]``, its rewards being
-            correctness).
+            correctness); None for both: to the range of the targets of the last fit (this
+            project's choice, for weighted rewards whose range is not known in advance).
         high: see ``low``.
     """
 
@@ -80,13 +81,18 @@ class RidgeProbe(nn.Module):
         prompt_pca: int = 32,
         response_pca: int = 64,
         alpha: float = 100.0,
-        low: float = 0.0,
-        high: float = 1.0,
+        low: float | None = 0.0,
+        high: float | None = 1.0,
     ) -> None:
         super().__init__()
-        if not low < high:
-            raise ValueError(f"RidgeProbe needs low < high, got [{low}, {high}].")
-        self.alpha, self.low, self.high = alpha, low, high
+        if (low is None) != (high is None) or (low is not None and not low < high):
+            raise ValueError(
+                f"RidgeProbe needs low < high, or both None (the targets' range), got "
+                f"[{low}, {high}]."
+            )
+        self.alpha, self.from_targets = alpha, low is None
+        # [2] clipping range; from the targets at each fit when not given.
+        self.register_buffer("bounds", torch.tensor([low or 0.0, 1.0 if high is None else high]))
         self.register_buffer("prompt_mean", torch.zeros(prompt_dim))
         self.register_buffer("prompt_components", torch.zeros(prompt_dim, prompt_pca))
         self.register_buffer("response_mean", torch.zeros(response_dim))
@@ -118,16 +124,18 @@ class RidgeProbe(nn.Module):
         self.weight, self.bias = ridge_fit(
             self.features(prompt_h, response_h, scalars), targets, self.alpha
         )
+        if self.from_targets:
+            self.bounds = torch.stack([targets.min(), targets.max()]).float().to(self.bounds)
         self.fitted = torch.ones((), dtype=torch.bool, device=self.fitted.device)
 
     def forward(
         self, prompt_h: torch.Tensor, response_h: torch.Tensor, scalars: torch.Tensor
     ) -> torch.Tensor:
-        """``[M]`` predicted expected reward in ``[low, high]``."""
+        """``[M]`` predicted expected reward in ``bounds``."""
         if not bool(self.fitted):
             raise RuntimeError("RidgeProbe.forward before fit: fit it on collected rows first.")
         pred = self.features(prompt_h, response_h, scalars) @ self.weight + self.bias  # [M]
-        return pred.clamp(self.low, self.high)
+        return pred.clamp(self.bounds[0], self.bounds[1])
 
 
 def fit_quality(pred: torch.Tensor, target: torch.Tensor) -> tuple[float, float]:

@@ -53,7 +53,9 @@ class ProbeHead(nn.Module):
             ``hidden_size``. Fewer buffered rows than components leave the rest 0.
         alpha: ridge penalty (POISE: 100).
         reward_range: predictions are clipped to it (POISE: ``[0, 1]``, its reward being
-            correctness); set it to the range of the total reward when rewards are weighted.
+            correctness). None (default): to the range of the buffered targets at each fit,
+            so a weighted total reward (the default rewards' 0-2) is never clipped to a
+            range it does not have; this project's choice.
         bootstrap_steps: steps with RLOO advantages (the siblings' rewards as the baseline)
             while the probe collects rows; the probe's baseline is used from then on once it
             is fitted. POISE: 16 steps of 256 prompts; 4 is this project's default, sized for
@@ -74,7 +76,7 @@ class ProbeHead(nn.Module):
         prompt_pca: int = 32,
         response_pca: int = 64,
         alpha: float = 100.0,
-        reward_range: tuple[float, float] = (0.0, 1.0),
+        reward_range: tuple[float, float] | None = None,
         bootstrap_steps: int = 4,
         warmup_steps: int = 2,
         refit_every: int = 1,
@@ -96,7 +98,9 @@ class ProbeHead(nn.Module):
             min(prompt_pca, hidden_size),
             min(response_pca, hidden_size),
         )
-        self.alpha, self.reward_range = alpha, (float(reward_range[0]), float(reward_range[1]))
+        self.alpha = alpha
+        self.reward_range = None if reward_range is None else tuple(map(float, reward_range))
+        low, high = self.reward_range or (None, None)
         self.bootstrap_steps, self.warmup_steps = bootstrap_steps, warmup_steps
         self.refit_every = refit_every
         self.probe = RidgeProbe(
@@ -106,8 +110,8 @@ class ProbeHead(nn.Module):
             prompt_pca=self.prompt_pca,
             response_pca=self.response_pca,
             alpha=alpha,
-            low=self.reward_range[0],
-            high=self.reward_range[1],
+            low=low,
+            high=high,
         )
         self.register_buffer("buffer_features", torch.zeros(buffer_rows, self.num_features))
         self.register_buffer("buffer_targets", torch.zeros(buffer_rows))
@@ -145,7 +149,8 @@ class ProbeHead(nn.Module):
         return features[:, :h], features[:, h : 2 * h], features[:, 2 * h :]
 
     def predict(self, features: torch.Tensor) -> torch.Tensor:
-        """``[n]`` predicted expected reward of each row's prompt, in ``reward_range``."""
+        """``[n]`` predicted expected reward of each row's prompt, clipped to
+        ``reward_range`` (None: the last fit's targets' range)."""
         return self.probe(*self._split(features.to(self.buffer_features)))
 
     def score_rollouts(
@@ -247,7 +252,8 @@ class ProbeHead(nn.Module):
         :meth:`predict` / :meth:`score_rollouts`; its row buffer is empty."""
         path = Path(dirpath)
         config = json.loads((path / f"{name}.json").read_text())
-        head = cls(**{**config, "reward_range": tuple(config["reward_range"])})
+        bounds = config["reward_range"]
+        head = cls(**{**config, "reward_range": None if bounds is None else tuple(bounds)})
         head.probe.load_state_dict(load_file(str(path / f"{name}.safetensors")))
         return head
 

@@ -85,14 +85,19 @@ class ValueHead(nn.Module):
         """The head's optimiser parameter group (its own learning rate and weight decay)."""
         return {"params": list(self.parameters()), "lr": self.lr, "weight_decay": self.weight_decay}
 
-    def estimator_kwargs(self, rollouts: Rollouts) -> dict[str, Any]:
-        """Keyword arguments of ``advantages.compute_advantages`` for the ``gae`` estimator."""
+    def estimator_kwargs(
+        self, rollouts: Rollouts, trained_rows: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments of ``advantages.compute_advantages`` for the ``gae`` estimator;
+        ``trained_rows`` (``[N]`` bool) are the rows whose tokens set the whitening
+        statistics (the groups the update uses; None: all)."""
         return {
             "values": _old_values(rollouts),
             "mask": rollouts.completion_mask,
             "gamma": self.gamma,
             "lam": self.lam,
             "whiten": self.whiten,
+            "whiten_rows": trained_rows,
         }
 
     def targets(self, scored: Scored) -> ValueBatch:

@@ -18,9 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rlvr_lightning.algorithms.offpolicy import (
-    sources_of,
-)
+from rlvr_lightning.algorithms.offpolicy import floor_accuracy, sources_of
 from rlvr_lightning.types import SOURCE_POLICY, PromptBatch, Rollouts, Scored
 
 
@@ -30,6 +28,9 @@ class ScoringModule(Protocol):
     tokenizer: Any
     engine: Any
     step_batch: PromptBatch | None
+    rewards: Any  # the RewardCombiner: the accuracy reward's weight
+    accuracy_reward: str
+    options: Any  # rewards.accuracy_threshold
 
     def score(self, batch: PromptBatch, rollouts: Rollouts) -> Scored: ...
 
@@ -49,7 +50,9 @@ class Member:
             (probability 1, LUFFY's convention for a teacher).
         temperature: temperature at which the policy scores the tokens (that of
             ``behaviour_logp`` when given).
-        reward: total reward forced on the member (AMPO forces 1.0); None = verifier's.
+        reward: floor on the member's accuracy reward (AMPO: 1.0), on that reward's own
+            scale: ``max(verifier's value, reward)``, the total moved by its weight and
+            ``correct`` judged again (``offpolicy.floor_accuracy``); None = the verifier's.
         as_on_policy: the loss treats its tokens as the policy's own samples (the clipped
             policy loss, no ``offpolicy_weighting``; NPO's near-future guide, spec §6);
             ``behaviour_logp`` must then hold the current policy's log-probs. The row keeps
@@ -235,11 +238,9 @@ def inject(
     )
     sub = module.score(prompt_rows(batch, [r // g for r in rows]), select_rows(rollouts, rows))
     idx = torch.as_tensor(rows, device=scored.rewards.device)
+    sub = _forced(module, sub, members)
     rewards, correct = scored.rewards.clone(), scored.correct.clone()  # [N]
     rewards[idx] = sub.rewards.to(rewards)
-    override = [(i, m.reward) for i, m in enumerate(members) if m.reward is not None]
-    for i, value in override:
-        rewards[rows[i]] = value
     correct[idx] = sub.correct.to(correct.device)
     per_function = {}
     for name, values in scored.per_function.items():
@@ -250,6 +251,30 @@ def inject(
         scored, rollouts=rollouts, rewards=rewards, per_function=per_function, correct=correct
     )
     return _with_source_metrics(new)
+
+
+def _forced(module: ScoringModule, sub: Scored, members: Sequence[Member]) -> Scored:
+    """The members' scores (``sub``, one row per member) with each ``Member.reward`` floor
+    applied to the accuracy reward (``offpolicy.floor_accuracy``): total and ``correct``
+    follow."""
+    forced = [i for i, m in enumerate(members) if m.reward is not None]
+    if not forced:
+        return sub
+    name = module.accuracy_reward
+    weight = {spec.name: spec.weight for spec in module.rewards.specs}[name]
+    threshold = module.options.rewards.accuracy_threshold
+    idx = torch.as_tensor(forced)  # [n]
+    floors = torch.tensor([float(members[i].reward) for i in forced])  # [n]
+    rewards, correct = sub.rewards.clone(), sub.correct.clone()  # [k]
+    accuracy = sub.per_function[name].clone()  # [k]
+    total, value, ok = floor_accuracy(
+        rewards.cpu()[idx], accuracy.cpu()[idx], floors, weight, threshold
+    )
+    rewards[idx.to(rewards.device)] = total.to(rewards)
+    accuracy[idx.to(accuracy.device)] = value.to(accuracy)
+    correct[idx.to(correct.device)] = ok.to(correct)
+    per_function = {**sub.per_function, name: accuracy}
+    return dataclasses.replace(sub, rewards=rewards, correct=correct, per_function=per_function)
 
 
 def _with_source_metrics(scored: Scored) -> Scored:

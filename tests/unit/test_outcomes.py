@@ -115,14 +115,19 @@ def test_outcomes_and_logged_accuracy_ignore_whatever_is_injected(module, recipe
 
 
 @pytest.mark.parametrize("recipe", ["none", "gt_append", "luffy"])
-def test_the_curriculum_mask_reads_the_sampled_outcome(module, recipe):
-    # kappa 0.3: the all-wrong group (score 0) trains under no recipe, however it is rescued.
-    dm = make_dm(curriculum=VarianceCurriculum(kappa_start=0.3, kappa_end=0.3))
+@pytest.mark.parametrize("judge", ["trained", "sampled"])
+def test_the_curriculum_mask_reads_the_rows_its_judge_names(module, recipe, judge):
+    # kappa 0.3. As sampled the all-wrong group scores 0 and never trains, however rescued.
+    # As trained (the default) a reference in its last slot makes it [0, 0, 0, 1]: k = 1,
+    # 4*1*3/16 = 0.75 >= 0.3, so the rescue trains; the others score 1 and 0.75 either way.
+    curriculum = VarianceCurriculum(kappa_start=0.3, kappa_end=0.3, judge=judge)
+    dm = make_dm(curriculum=curriculum)
     batch = dm.compose_step()
     scored = inject(module, recipe, batch, hand_made(module, batch))
     module._trainer = SimpleNamespace(datamodule=dm)  # what select_groups reads of the trainer
+    rescued = judge == "trained" and recipe != "none"
     try:
-        assert module.select_groups(batch, scored).tolist() == [True, True, False]
+        assert module.select_groups(batch, scored).tolist() == [True, True, rescued]
     finally:
         module._trainer = None
 
