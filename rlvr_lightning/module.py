@@ -149,12 +149,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         """The models and the update, after the options are checked."""
         o = self.options
         self.preset, self.estimator = preset, estimator or preset.estimator
-        build.validate_options(
-            o, self.sampling, self.estimator, value_head is not None, probe_head is not None
-        )
-        fzv = o.selection.filter_zero_variance
-        self.filter_zero_variance = preset.filter_zero_variance if fzv is None else fzv
-        self.informative = o.selection.informative or preset.informative
+        build.validate_options(o, self.sampling, self.estimator, value_head, probe_head)
+        self.filter_zero_variance, self.informative = build.group_filter(preset, o.selection)
         self.policy, self.tokenizer = build.policy_and_tokenizer(
             policy, dtype, o.lora, keep_dropout
         )
@@ -171,8 +167,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         return self._reference[0] if self._reference else None
 
     def setup(self, stage: str) -> None:
-        """The models prepared for the device the run uses (``device.prepare_model``: the CPU
-        fast paths on the CPU, the model as transformers built it elsewhere)."""
+        """The models prepared for the run's device (``device.prepare_model``, the one seam)."""
         device = self.trainer.strategy.root_device.type
         for model in (self.policy, self.reference):
             if model is not None:

@@ -35,11 +35,9 @@ from rlvr_lightning.data.mixture import (
 from rlvr_lightning.data.prompt_limit import (
     drop_long_prompts,
     limit_prompts,
-    model_prompt_limit,
-    template_tokens,
     token_counter,
 )
-from rlvr_lightning.data.prompt_room import check_prompt_room
+from rlvr_lightning.data.prompt_room import prompt_limit
 from rlvr_lightning.data.prompts import collate_examples, source_columns
 from rlvr_lightning.data.replay import PromptReplay
 from rlvr_lightning.data.sources import Example, drop_overlap, load_examples
@@ -245,14 +243,7 @@ class RLVRDataModule(pl.LightningDataModule):
     def _prompt_limit(self) -> tuple[int, str] | None:
         """The prompt token limit and the reason the warning gives; None: no limit."""
         module = None if self.trainer is None else self.trainer.lightning_module
-
-        def counter(tok: Any) -> int:
-            return template_tokens(tok, self.system_prompt, self.instruction)
-
-        if self.max_prompt_tokens is not None:
-            check_prompt_room(self.max_prompt_tokens, module, counter)
-            return self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"
-        return model_prompt_limit(module, counter)
+        return prompt_limit(module, self.max_prompt_tokens, self.system_prompt, self.instruction)
 
     def _token_counter(self) -> Callable[[str], int]:
         tokenizer = getattr(getattr(self.trainer, "lightning_module", None), "tokenizer", None)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlvr_lightning.data.prompt_limit import model_prompt_limit, template_tokens
+
 
 def model_context(module: Any) -> int | None:
     """``max_position_embeddings`` of ``module.policy``'s config, None where it is not known."""
@@ -45,3 +47,19 @@ def check_prompt_room(
         f"max_new_tokens={new_tokens} = {total} tokens, beyond the model's context of {context} "
         f"positions (max_position_embeddings): {fix}."
     )
+
+
+def prompt_limit(
+    module: Any, max_prompt_tokens: int | None, system_prompt: str | None, instruction: str | None
+) -> tuple[int, str] | None:
+    """The prompt token limit and the reason the warning gives (None: no limit):
+    ``max_prompt_tokens`` once it fits the context with the template and the completion
+    (refused otherwise), else the model's default (``prompt_limit.model_prompt_limit``)."""
+
+    def counter(tokenizer: Any) -> int:
+        return template_tokens(tokenizer, system_prompt, instruction)
+
+    if max_prompt_tokens is not None:
+        check_prompt_room(max_prompt_tokens, module, counter)
+        return max_prompt_tokens, f"max_prompt_tokens={max_prompt_tokens}"
+    return model_prompt_limit(module, counter)

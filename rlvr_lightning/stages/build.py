@@ -8,19 +8,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlvr_lightning import models
+from rlvr_lightning.algorithms.outcomes import InformativeBy
 from rlvr_lightning.algorithms.presets import Preset
 from rlvr_lightning.heads import ProbeHead, ValueHead
 from rlvr_lightning.models.dropout import disable_dropout
-from rlvr_lightning.options import LoRA, Options, Rewards
+from rlvr_lightning.options import LoRA, Options, Rewards, Selection
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
 from rlvr_lightning.stages.update import PolicyUpdate
 from rlvr_lightning.types import Sampling
 
 
 def validate_options(
-    options: Options, sampling: Sampling, estimator: str, value_head: bool, probe_head: bool
+    options: Options, sampling: Sampling, estimator: str, value_head: object, probe_head: object
 ) -> None:
-    """Raise a ValueError that says how to fix an inconsistent module configuration."""
+    """Raise a ValueError that says how to fix an inconsistent module configuration (the heads:
+    their factories, or None)."""
     u = options.update
     if sampling.group_size < 2:
         raise ValueError(
@@ -44,8 +46,16 @@ def validate_options(
         raise ValueError("update.max_steps_without_update must be >= 1, or null to never stop.")
     if options.offpolicy.baseline == "on_policy" and estimator not in ("grpo", "dr_grpo"):
         raise ValueError("offpolicy.baseline: on_policy needs estimator grpo or dr_grpo.")
-    check_value_head(estimator, value_head)
-    check_probe_head(estimator, probe_head)
+    check_value_head(estimator, value_head is not None)
+    check_probe_head(estimator, probe_head is not None)
+
+
+def group_filter(preset: Preset, selection: Selection) -> tuple[bool, InformativeBy]:
+    """Whether uninformative groups are dropped, and what must vary in a group: the
+    ``selection`` options where given, else the preset's."""
+    fzv = selection.filter_zero_variance
+    fzv = preset.filter_zero_variance if fzv is None else fzv
+    return fzv, selection.informative or preset.informative
 
 
 def check_value_head(estimator: str, has_value_head: bool) -> None:
