@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import warnings
 from argparse import ArgumentError
@@ -37,6 +38,7 @@ from rlvr_lightning.cli.overview import COMMANDS, TRAINER_COMMANDS, print_overvi
 from rlvr_lightning.cli.watchers import with_watchers
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
+from rlvr_lightning.options import GROUPS
 from rlvr_lightning.runtime import checkpoint_files, checkpointing
 
 
@@ -142,6 +144,23 @@ def reset_metric_states(module: Module) -> None:
 _EPILOG = "Other commands: push, export (`rlvr-lightning --help` describes every command)."
 
 
+_NULL_FIELD = re.compile(r"--model\.(?:init_args\.)?(\w+)\.(\w+)=(?:null|None|none|~)")
+
+
+def nulls_as_mappings(args: list[str]) -> list[str]:
+    """``--model.init_args.update.grad_clip=null`` as ``--model.init_args.update={grad_clip:
+    null}``: jsonargparse reads a dotted null inside a subclass's dataclass argument as the
+    string ``"None"`` and rejects it, while the mapping form sets it (other fields keep their
+    values)."""
+    out = []
+    for arg in args:
+        match = _NULL_FIELD.fullmatch(arg)
+        if match and match.group(1) in GROUPS:
+            arg = f"--model.init_args.{match.group(1)}={{{match.group(2)}: null}}"
+        out.append(arg)
+    return out
+
+
 def build_cli(
     args: list[str] | None = None, run: bool = True, exit_on_error: bool = True
 ) -> RLVRCLI:
@@ -153,6 +172,7 @@ def build_cli(
     parser_kwargs: dict[str, Any] = {
         s: {"exit_on_error": exit_on_error, "description": COMMANDS[s]} for s in TRAINER_COMMANDS
     }
+    args = nulls_as_mappings(sys.argv[1:] if args is None else args)
     return RLVRCLI(
         RLVRModule,
         RLVRDataModule,

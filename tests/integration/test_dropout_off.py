@@ -51,8 +51,8 @@ def test_on_policy_ratio_is_exactly_one_with_dropout_off(tmp_path, keep_dropout)
             # pi_old from the trainer's no-grad pass (not the sampler's decoding, which adds
             # its own rounding), two epochs per rollout step (with one step pi_old would be
             # the update's own forward, detached); the first epoch is on-policy.
-            "--model.init_args.old_logprobs=trainer",
-            "--model.init_args.epochs_per_rollout=2",
+            "--model.init_args.correction.old_logprobs=trainer",
+            "--model.init_args.update.epochs_per_rollout=2",
             f"--model.init_args.keep_dropout={str(keep_dropout).lower()}",
             "--trainer.limit_val_batches=0",
         ],

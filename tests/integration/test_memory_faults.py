@@ -72,7 +72,7 @@ def test_a_reward_allocating_without_bound_stops_with_a_message_and_a_checkpoint
     d = tmp_path / "c"
     cmd = [EXE, "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"]
     cmd += ["--trainer.max_steps=4", "--trainer.limit_val_batches=0"]
-    cmd += ["--model.init_args.reward_fns=[hog_reward.hog]"]
+    cmd += ["--model.init_args.rewards.functions=[hog_reward.hog]"]
     cmd += ["--trainer.enable_checkpointing=true"]
     cmd += ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint"]
     cmd += [f"--trainer.callbacks.dirpath={d}", "--trainer.callbacks.save_last=true"]

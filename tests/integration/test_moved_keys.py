@@ -60,3 +60,17 @@ def test_every_config_file_builds_its_module(tmp_path, path):
         run=False,
     )  # fmt: skip
     assert cli.model.tokenizer is not None and cli.datamodule is not None
+
+
+def test_a_group_field_set_to_null_on_the_command_line(tmp_path):
+    # jsonargparse alone rejects a dotted null inside a dataclass argument ("Given value: None").
+    from rlvr_lightning.cli.main import build_cli
+
+    cli = build_cli(
+        ["--config", CONFIG, "--model.init_args.update.grad_clip=null",
+         "--model.update.max_steps_without_update=null", "--trainer.logger=false"],
+        run=False,
+    )  # fmt: skip
+    update = cli.model.options.update
+    assert update.grad_clip is None and update.max_steps_without_update is None
+    assert update.lr == 1e-3  # the config's other fields stay
