@@ -92,9 +92,9 @@ def machine_limit() -> tuple[int, str] | None:
 def knobs(module: Any, datamodule: Any) -> str:
     """The settings that size the trainer's memory, with their values, for a message."""
     sampling = getattr(module, "sampling", None)
-    hparams = getattr(module, "hparams", {})
+    update = getattr(getattr(module, "options", None), "update", None)
     return (
-        f"model.init_args.micro_batch_size ({hparams.get('micro_batch_size', '?')}), "
+        f"model.init_args.update.micro_batch_size ({getattr(update, 'micro_batch_size', '?')}), "
         f"sampling.max_new_tokens ({getattr(sampling, 'max_new_tokens', '?')}) or "
         f"data.init_args.max_prompt_tokens ({getattr(datamodule, 'max_prompt_tokens', '?')})"
     )

@@ -86,7 +86,7 @@ def test_a_reward_allocating_without_bound_stops_with_a_message_and_a_checkpoint
     lines = [line for line in out.splitlines() if line.startswith("Memory: the trainer holds")]
     assert len(lines) == 2, out[-3000:]  # one warning, one stop
     assert "it may use (MemoryGuard.limit_bytes). To use less, lower" in lines[0]
-    assert "micro_batch_size (4)" in lines[0] and "sampling.max_new_tokens (12)" in lines[0]
+    assert "update.micro_batch_size (4)" in lines[0] and "sampling.max_new_tokens (12)" in lines[0]
     assert "over MemoryGuard's stop_share 0.95: stopping" in lines[1]
     held = float(lines[1].split("holds ")[1].split(" GiB")[0])
     assert 0.95 * 3 <= held < 3 + 0.2  # stopped near the limit, not after the reward's cap
