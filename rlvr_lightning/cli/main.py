@@ -2,7 +2,9 @@
 ``export`` (a checkpoint to a ``from_pretrained`` folder).
 
 Every Trainer gets ``checkpointing.AtomicCheckpointIO`` (unless another CheckpointIO plugin is
-configured) and a ``checkpointing.CheckpointGuard``. Exit codes: 0 done, 1 error, 2 bad
+configured) and a ``checkpointing.CheckpointGuard``; its ``log_every_n_steps`` defaults to 1
+(``LOG_EVERY_N_STEPS``), and ``fit`` adds a ``CompletionsTable`` unless one is configured or
+``--log_completions=false``. Exit codes: 0 done, 1 error, 2 bad
 arguments or config, 130 stopped by SIGINT, 143 stopped by SIGTERM (128 + signal number, after
 the on-exception checkpoints). Errors are summarised in a few lines (``cli_errors``);
 ``RLVR_TRACEBACK=1`` shows the full traceback.
@@ -30,12 +32,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torchmetrics import Metric
 
-from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
+from rlvr_lightning.callbacks import CompletionsTable, PredictionWriter, StepProgressBar
 from rlvr_lightning.cli import errors as cli_errors
+from rlvr_lightning.cli.help import KeysFirstFormatter, subcommand_kwargs
 from rlvr_lightning.cli.overview import COMMANDS, TRAINER_COMMANDS, print_overview
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.runtime import checkpointing
+
+LOG_EVERY_N_STEPS = 1  # the CLI's trainer default: train/* metrics every step
+COMPLETIONS_ROWS = 4  # rows per step of the default CompletionsTable (this project's choice)
 
 
 class RLVRCLI(LightningCLI):
@@ -52,6 +58,23 @@ class RLVRCLI(LightningCLI):
             default=False,
             help="fit only: validate before and after training and compare.",
         )
+        parser.add_argument(
+            "--log_completions",
+            type=bool,
+            default=True,
+            help="fit only: add a CompletionsTable (every step, "
+            f"{COMPLETIONS_ROWS} rows, completions.jsonl beside the metrics) unless one is "
+            "configured; false: none.",
+        )
+
+    def add_core_arguments_to_parser(self, parser: Any) -> None:
+        # LightningCLI's order with the Trainer last: `fit --help` shows the model and data
+        # before the Trainer's ~60 flags (cli.help).
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=True)
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=True)
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
+        parser.set_defaults(defaults)
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads the hyperparameters of `--ckpt_path` first: say which file is
@@ -67,6 +90,8 @@ class RLVRCLI(LightningCLI):
         callbacks = with_step_progress(config, checkpointing.with_guard(callbacks))
         if self.subcommand == "predict":
             callbacks = with_prediction_writer(config, callbacks)
+        if self.subcommand == "fit" and self.config["fit"].get("log_completions", True):
+            callbacks = with_completions_table(config, callbacks)
         return super()._instantiate_trainer(config, callbacks)
 
     def _evaluate(self) -> dict[str, float]:
@@ -121,6 +146,16 @@ def with_prediction_writer(config: dict[str, Any], callbacks: list[Callback]) ->
     return [*callbacks, PredictionWriter(os.path.join(root, "predictions.jsonl"))]
 
 
+def with_completions_table(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` plus a ``CompletionsTable`` (every step, ``COMPLETIONS_ROWS`` rows) unless
+    one is configured: what the policy writes is visible from the first run."""
+    given = config.get("callbacks") or []
+    configured = [*(given if isinstance(given, list) else [given]), *callbacks]
+    if any(isinstance(cb, CompletionsTable) for cb in configured):
+        return callbacks
+    return [*callbacks, CompletionsTable(every_n_steps=1, max_rows=COMPLETIONS_ROWS)]
+
+
 def _has_last_checkpoint(trainer: Trainer) -> bool:
     """Whether Lightning's ``ckpt_path="last"`` would find a file (its own lookup)."""
     found: set[str] = set()
@@ -155,7 +190,11 @@ def build_cli(
     the usage and exiting, so ``main`` can report them in its own format.
     """
     parser_kwargs: dict[str, Any] = {
-        s: {"exit_on_error": exit_on_error, "description": COMMANDS[s]} for s in TRAINER_COMMANDS
+        s: {
+            "exit_on_error": exit_on_error,
+            **subcommand_kwargs(COMMANDS[s], RLVRModule, RLVRDataModule),
+        }
+        for s in TRAINER_COMMANDS
     }
     return RLVRCLI(
         RLVRModule,
@@ -165,7 +204,15 @@ def build_cli(
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"exit_on_error": exit_on_error, "epilog": _EPILOG, **parser_kwargs},
+        parser_kwargs={
+            "exit_on_error": exit_on_error,
+            "epilog": _EPILOG,
+            "formatter_class": KeysFirstFormatter,  # jsonargparse gives it to the subcommands
+            **parser_kwargs,
+        },
+        # Train metrics from the first step: Lightning's default (50) hides a short run's
+        # first 49 steps. A config's own `trainer.log_every_n_steps` still wins.
+        trainer_defaults={"log_every_n_steps": LOG_EVERY_N_STEPS},
         # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
         # --optimizer/--lr_scheduler would replace it and ignore model.lr, warmup_steps, lr_decay.
         auto_configure_optimizers=False,

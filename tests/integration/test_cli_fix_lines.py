@@ -1,6 +1,7 @@
 """A TRL user's names and a new user's slips, through ``rlvr-lightning fit``: each error ends
 with a ``Fix:`` line that names the key or import path to write instead."""
 
+import json
 import re
 from pathlib import Path
 
@@ -72,3 +73,46 @@ def test_a_bare_reward_name_is_told_its_package(capsys):
     assert fix == "Fix: name it by its import path: rlvr_lightning.rewards.boxed_accuracy."
     fix = _fix(capsys, "--model.init_args.rewards.functions=[my_score]")
     assert "my_rewards.my_score" in fix and "callbacks" not in fix
+
+
+def _no_template_model(tmp_path: Path) -> Path:
+    from rlvr_lightning.models.tiny import tiny_policy
+
+    model, tokenizer = tiny_policy(seed=0)
+    tokenizer.chat_template = None  # a base model's tokenizer
+    folder = tmp_path / "base-model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_chat_prompts_to_a_model_without_a_template_warn_once(tmp_path, recwarn):
+    from rlvr_lightning.cli.main import build_cli
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)}
+            for i in range(16)]  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["--config", CONFIG, f"--trainer.default_root_dir={tmp_path}",
+            f"--model.init_args.policy={_no_template_model(tmp_path)}",
+            f"--data.init_args.source={tmp_path / 'chat.jsonl'}",
+            "--data.init_args.val_size=4"]  # fmt: skip
+    build_cli(["fit", *base])
+    flattened = [w for w in recwarn if "has no chat template" in str(w.message)]
+    assert len(flattened) == 1  # two steps and a validation: once
+    assert "prompt_format: plain" in str(flattened[0].message)
+    recwarn.clear()
+    build_cli(["fit", *base, "--model.init_args.prompt_format=plain"])  # chosen: no warning
+    assert not [w for w in recwarn if "has no chat template" in str(w.message)]
+
+
+def test_fit_help_leads_with_the_model_and_data_keys(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    first_trainer = next(i for i, line in enumerate(lines) if "--trainer." in line.split("]")[-1])
+    keys = {line.split(":")[0].strip(): i for i, line in enumerate(lines[:40]) if ": " in line}
+    assert "group_size" in lines[keys["sampling"]] and "kl_coef" in lines[keys["loss"]]
+    assert any(line.strip().startswith("source task_config") for line in lines[:40])
+    model_section = lines.index("GRPO-style RL with verifiable rewards:")
+    assert max(keys.values()) < model_section < first_trainer
