@@ -70,8 +70,9 @@ class RLVRCLI(LightningCLI):
     def add_core_arguments_to_parser(self, parser: Any) -> None:
         # LightningCLI's order with the Trainer last: `fit --help` shows the model and data
         # before the Trainer's ~60 flags (cli.help).
-        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=True)
-        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=True)
+        model, data = self.subclass_mode_model, self.subclass_mode_data
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=model)
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=data)
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
         parser.set_defaults(defaults)
