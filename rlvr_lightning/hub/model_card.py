@@ -332,14 +332,12 @@ def card_context(
     base_model: str | None = None,
 ) -> dict[str, Any]:
     """Everything a template may use: ``metadata`` (YAML), recipe, results, usage, citations;
-    ``base_model`` (a Hub id) names the base where the policy's name does not."""
+    ``base_model`` (the export's ``--base-model``) replaces the policy as the base's name."""
     hparams = facts.hparams
     recipe = _recipe(hparams)
     source = str(facts.data_hparams.get("source", "unknown"))
-    before, after = record.before_after()
-    (before, before_notes), (after, after_notes) = split_details(before), split_details(after)
-    named = public_base_model(base_model or "")
-    base_model = named or public_base_model(str(hparams.get("policy", "")))
+    (before, before_notes), (after, after_notes) = map(split_details, record.before_after())
+    base_model = public_base_model(base_model or str(hparams.get("policy", "")))
     dataset_type = Path(source).stem if os.path.isabs(source) else source
     datasets = [source] if is_hub_name(source) and "/" in source else []
     model_name = (repo_id or "rlvr-lightning-model").split("/")[-1]
