@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from rlvr_lightning.hub import export_pretrained, model_card, module_heads
+from rlvr_lightning.hub.card_safety import adapter_base_model
 from rlvr_lightning.stages.hooks import RLVRCallback
 from rlvr_lightning.types import StepOutput
 
@@ -38,6 +39,9 @@ class ExportModel(RLVRCallback):
             path of a Jinja file.
         license: the license written into the card's metadata.
         repo_id: the Hub repository the card's usage snippet names (None: a local folder).
+        base_model: with ``adapter_only``, the base model the adapter records (a Hub id);
+            None: the Hub id the policy was named by, else its local folder (with a warning:
+            that path resolves on this machine only).
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class ExportModel(RLVRCallback):
         card_template: str = "default",
         license: str = "apache-2.0",
         repo_id: str | None = None,
+        base_model: str | None = None,
     ) -> None:
         self.dirpath = dirpath
         self.adapter_only = adapter_only
@@ -55,6 +60,7 @@ class ExportModel(RLVRCallback):
         self.card_template = card_template
         self.license = license
         self.repo_id = repo_id
+        self.base_model = base_model
         self.record = model_card.TrainingRecord()
         self.exported_to: Path | None = None
         self._fit_started: float | None = None
@@ -110,12 +116,15 @@ class ExportModel(RLVRCallback):
             self.export_dir(trainer),
             adapter_only=self.adapter_only,
             heads=module_heads(pl_module),
-            base_model=model_card.public_base_model(str(pl_module.hparams.get("policy", ""))),
+            base_model=self._adapter_base(str(pl_module.hparams.get("policy", ""))),
         )
         if self.card:
             self.write_card(trainer, pl_module, path)
         self.exported_to = path
         return path
+
+    def _adapter_base(self, policy: str) -> str | None:
+        return adapter_base_model(policy, self.base_model) if self.adapter_only else None
 
     def write_card(self, trainer: pl.Trainer, pl_module: Any, path: Path) -> Path:
         """Render the card (and the reward curve) into ``path``; returns the card file."""
@@ -132,6 +141,7 @@ class ExportModel(RLVRCallback):
             license=self.license,
             adapter_only=self.adapter_only,
             reward_curve=curve,
+            base_model=self.base_model,
         )
         text = model_card.render_card(context, self.card_template)
         roots = [path.resolve(), Path(trainer.default_root_dir).resolve()]

@@ -50,6 +50,7 @@ class PushToHub(ExportModel):
         card: write and push ``README.md`` with the reward curve.
         card_template: card template name or path (see ``ExportModel``).
         license: the license in the card's metadata.
+        base_model: the base model an adapter-only export records (see ``ExportModel``).
     """
 
     def __init__(
@@ -67,8 +68,17 @@ class PushToHub(ExportModel):
         card: bool = True,
         card_template: str = "default",
         license: str = "apache-2.0",
+        base_model: str | None = None,
     ) -> None:
-        super().__init__(dirpath, adapter_only, card, card_template, license, repo_id=repo_id)
+        super().__init__(
+            dirpath,
+            adapter_only,
+            card,
+            card_template,
+            license,
+            repo_id=repo_id,
+            base_model=base_model,
+        )
         if every_n_steps < 0 or retries < 0:
             raise ValueError("every_n_steps and retries must be >= 0.")
         self.private = private

@@ -290,12 +290,68 @@ def regroup(hparams: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def moved_message(key: str) -> str | None:
-    """The one-line fix for a pre-group key, or None when ``key`` did not move."""
-    new = MOVED.get(key)
-    if new is None:
-        return None
-    return (
-        f"`model.init_args.{key}` moved: write `model.init_args.{new}` "
-        f"(YAML: `{new.split('.')[0]}: {{{new.split('.')[1]}: ...}}` under init_args)."
-    )
+_M, _D = "model.init_args.", "data.init_args."
+# TRL's GRPOConfig (and ModelConfig / ScriptArguments) names -> (the key here, what differs).
+# The CLI's error for such a key names its place here; README "Coming from TRL" shows them.
+TRL_NAMES: dict[str, tuple[str, str]] = {
+    "model_name_or_path": (_M + "policy", "a Hub id or a local folder"),
+    "num_generations": (_M + "sampling.group_size", ""),
+    "beta": (_M + "loss.kl_coef", "0 skips the reference model, as in TRL"),
+    "learning_rate": (_M + "update.lr", ""),
+    "per_device_train_batch_size": (
+        _D + "prompts_per_step", "counts prompts, not completions: TRL's value / num_generations"
+    ),
+    "gradient_accumulation_steps": (
+        _M + "update.micro_batch_size", "rows per forward/backward; the maths is the same"
+    ),
+    "max_completion_length": (_M + "sampling.max_new_tokens", ""),
+    "max_prompt_length": (_D + "max_prompt_tokens", ""),
+    "temperature": (_M + "sampling.temperature", ""),
+    "top_p": (_M + "sampling.top_p", ""),
+    "top_k": (_M + "sampling.top_k", ""),
+    "epsilon": (_M + "loss.clip_low", ""),
+    "epsilon_high": (_M + "loss.clip_high", ""),
+    "loss_type": (_M + "algorithm", "the grpo, dapo, dr_grpo presets; or loss.agg_mode alone"),
+    "scale_rewards": (_M + "estimator", "grpo divides by the group's std, dr_grpo does not"),
+    "importance_sampling_level": (_M + "algorithm", "sequence-level ratios: gspo"),
+    "num_iterations": (_M + "update.epochs_per_rollout", ""),
+    "steps_per_generation": (_M + "update.minibatches_per_rollout", ""),
+    "reward_funcs": (_M + "rewards.functions", "import paths; TRL's functions run unchanged"),
+    "reward_weights": (_M + "rewards.weights", ""),
+    "use_vllm": (_M + "engine", "vllm (or auto)"),
+    "vllm_importance_sampling_correction": (_M + "correction.mode", "tis"),
+    "vllm_importance_sampling_cap": (_M + "correction.cap", ""),
+    "max_grad_norm": (_M + "update.grad_clip", ""),
+    "weight_decay": (_M + "update.weight_decay", ""),
+    "warmup_steps": (_M + "update.warmup_steps", ""),
+    "warmup_ratio": (_M + "update.warmup_steps", "in optimiser steps, not a ratio"),
+    "lr_scheduler_type": (_M + "update.lr_decay", "none, linear or cosine"),
+    "use_peft": (_M + "lora.rank", "a rank > 0 trains a LoRA adapter"),
+    "lora_r": (_M + "lora.rank", ""),
+    "lora_alpha": (_M + "lora.alpha", ""),
+    "lora_target_modules": (_M + "lora.target_modules", ""),
+    "dataset_name": (_D + "source", "a Hub id, a file or a built-in task"),
+    "per_device_eval_batch_size": (_D + "val_prompts_per_batch", ""),
+    "max_steps": ("trainer.max_steps", "optimiser steps"),
+    "num_train_epochs": ("trainer.max_steps", "the prompts are a stream: count optimiser steps"),
+    "output_dir": ("trainer.default_root_dir", ""),
+    "logging_steps": ("trainer.log_every_n_steps", "1 by default here"),
+    "eval_steps": ("trainer.val_check_interval", ""),
+    "bf16": ("trainer.precision", "bf16-mixed"),
+    "seed": ("seed_everything", ""),
+}  # fmt: skip
+
+
+def moved_message(key: str, under_model: bool = True) -> str | None:
+    """The one-line fix for a pre-group key (``under_model``: it was given under
+    ``model.init_args``) or a TRL name (:data:`TRL_NAMES`), or None for any other key."""
+    new = MOVED.get(key) if under_model else None
+    if new is not None:
+        return (
+            f"`model.init_args.{key}` moved: write `model.init_args.{new}` "
+            f"(YAML: `{new.split('.')[0]}: {{{new.split('.')[1]}: ...}}` under init_args)."
+        )
+    if key in TRL_NAMES:
+        here, note = TRL_NAMES[key]
+        return f"`{key}` is TRL's name: here it is `{here}`" + (f" ({note})." if note else ".")
+    return None

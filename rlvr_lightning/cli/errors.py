@@ -13,6 +13,8 @@ import re
 import traceback
 from argparse import ArgumentError
 
+from rlvr_lightning.cli import keys
+
 TRACEBACK_ENV = "RLVR_TRACEBACK"
 MAX_LINES = 4  # lines of the cause shown; the fix and the traceback hint come after them
 MAX_CHARS = 400  # per line: a long value is cut, not wrapped over the screen
@@ -27,8 +29,6 @@ _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
 _WRAPPER = re.compile(r"Does not validate against any of the Union subtypes|^Problem with given")
 _CALLABLE = re.compile(r"Type \w+ expects a function or a callable class: (.*)\. Got value: (.*)")
 
-_OPTION = re.compile(r"(?:Option|Key) '?\"?([\w.]+?)'?\"? is not (?:accepted|expected)|"
-                     r"Unrecognized arguments:.*?--model\.(?:init_args\.)?(\w+)")
 _MODEL_KEYS = "`rlvr-lightning fit --model.help RLVRModule` lists the model keys"
 _DATA_KEYS = "`--data.help RLVRDataModule` the data keys"
 _FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -48,18 +48,17 @@ _FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
         "name a command: fit, validate, test, predict, push or export (`rlvr-lightning --help`).",
     ),
     (
-        re.compile(r"Expected a dot import path string: (\w+)$", re.M),
-        "name the class by its import path, e.g. rlvr_lightning.callbacks.{0} "
-        "(or lightning.pytorch.callbacks.{0}).",
-    ),
-    (
         re.compile(r"Expected a str$", re.M),
         "a command-line value with ': ' in it is read as a YAML mapping; quote the text inside "
         "its parent's mapping, e.g. --data.init_args=\"{{instruction: 'Answer: in \\boxed{{}}'}}\" "
         "(or set it in the --config YAML).",
     ),
     (
-        re.compile(r"not accepted|not expected|Unrecognized arguments|Unexpected|invalid choice"),
+        re.compile(
+            r"not accepted|not expected|does not accept|Unrecognized arguments|Unexpected|"
+            r"invalid choice",
+            re.IGNORECASE,
+        ),
         f"check the spelling and nesting of the key: {_MODEL_KEYS}, {_DATA_KEYS}, "
         "`--print_config` a full YAML.",
     ),
@@ -120,18 +119,19 @@ def summary(err: BaseException, command: str = "rlvr-lightning") -> str:
     from_input = isinstance(err, ArgumentError)  # a parse error: the arguments or the YAML
     if not from_input:
         err = _own_error(err)
-    keys, lines = _cause_lines(str(err))
+    keys_seen, lines = _cause_lines(str(err))
     head = f"{command}: error"
-    if keys:
-        head += f" in {_key_path(keys)}"
+    if keys_seen:
+        head += f" in {_key_path(keys_seen)}"
     if not lines:
         lines = [type(err).__name__]
     elif not from_input:
         lines[0] = f"{type(err).__name__}: {lines[0]}"
     out = [head, *(f"  {line}" for line in lines[:MAX_LINES])]
     text = "\n".join(out)
-    if moved := _moved_key_fix(text):
-        out.append("  Fix: " + moved)
+    where = _key_path(keys_seen) if keys_seen else ""
+    if fix := keys.key_fix(keys_seen, text) or keys.import_path_fix(text, where):
+        out.append("  Fix: " + fix)
     else:
         for pattern, fix in _FIXES:
             if match := pattern.search(text):
@@ -141,14 +141,3 @@ def summary(err: BaseException, command: str = "rlvr-lightning") -> str:
         out.append(f"  at {where}")
     out.append(f"  (full traceback: {TRACEBACK_ENV}=1 {command} ...)")
     return "\n".join(out)
-
-
-def _moved_key_fix(text: str) -> str | None:
-    """The new place of a model key that moved into an argument group (``options.MOVED``)."""
-    from rlvr_lightning.options import moved_message
-
-    for match in _OPTION.finditer(text):
-        key = (match.group(1) or match.group(2) or "").rpartition(".")[2]
-        if message := moved_message(key):
-            return message
-    return None

@@ -3,7 +3,9 @@
 
 Every Trainer gets ``checkpointing.AtomicCheckpointIO`` (unless another CheckpointIO plugin is
 configured), a ``checkpointing.CheckpointGuard`` and the ``watchers`` (``MemoryGuard``,
-``CollectiveWatch``) unless configured. Exit codes: 0 done, 1 error, 2 bad
+``CollectiveWatch``) unless configured; its ``log_every_n_steps`` defaults to 1
+(``LOG_EVERY_N_STEPS``), and ``fit`` adds a ``CompletionsTable`` unless one is configured or
+``--log_completions=false``. Exit codes: 0 done, 1 error, 2 bad
 arguments or config, 130 stopped by SIGINT, 143 stopped by SIGTERM (128 + signal number, after
 the on-exception checkpoints). Errors are summarised in a few lines (``cli_errors``);
 ``RLVR_TRACEBACK=1`` shows the full traceback.
@@ -34,12 +36,15 @@ from torchmetrics import Metric
 from rlvr_lightning.callbacks import PredictionWriter, StepProgressBar
 from rlvr_lightning.callbacks.memory_guard import MemoryLimitExceeded, exit_at_once
 from rlvr_lightning.cli import errors as cli_errors
+from rlvr_lightning.cli.help import KeysFirstFormatter, subcommand_kwargs
 from rlvr_lightning.cli.overview import COMMANDS, TRAINER_COMMANDS, print_overview
-from rlvr_lightning.cli.watchers import with_watchers
+from rlvr_lightning.cli.watchers import COMPLETIONS_ROWS, with_completions_table, with_watchers
 from rlvr_lightning.data import RLVRDataModule
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.options import GROUPS
 from rlvr_lightning.runtime import checkpoint_files, checkpointing
+
+LOG_EVERY_N_STEPS = 1  # the CLI's trainer default: train/* metrics every step
 
 
 class RLVRCLI(LightningCLI):
@@ -56,6 +61,24 @@ class RLVRCLI(LightningCLI):
             default=False,
             help="fit only: validate before and after training and compare.",
         )
+        parser.add_argument(
+            "--log_completions",
+            type=bool,
+            default=True,
+            help="fit only: add a CompletionsTable (every step, "
+            f"{COMPLETIONS_ROWS} rows, completions.jsonl beside the metrics) unless one is "
+            "configured; false: none.",
+        )
+
+    def add_core_arguments_to_parser(self, parser: Any) -> None:
+        # LightningCLI's order with the Trainer last: `fit --help` shows the model and data
+        # before the Trainer's ~60 flags (cli.help).
+        model, data = self.subclass_mode_model, self.subclass_mode_data
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=model)
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=data)
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
+        parser.set_defaults(defaults)
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads the hyperparameters of `--ckpt_path` first: say which file is
@@ -72,6 +95,8 @@ class RLVRCLI(LightningCLI):
         callbacks = with_watchers(config, callbacks)  # MemoryGuard, CollectiveWatch
         if self.subcommand == "predict":
             callbacks = with_prediction_writer(config, callbacks)
+        if self.subcommand == "fit" and self.config["fit"].get("log_completions", True):
+            callbacks = with_completions_table(config, callbacks)
         return super()._instantiate_trainer(config, callbacks)
 
     def _evaluate(self) -> dict[str, float]:
@@ -170,7 +195,11 @@ def build_cli(
     the usage and exiting, so ``main`` can report them in its own format.
     """
     parser_kwargs: dict[str, Any] = {
-        s: {"exit_on_error": exit_on_error, "description": COMMANDS[s]} for s in TRAINER_COMMANDS
+        s: {
+            "exit_on_error": exit_on_error,
+            **subcommand_kwargs(COMMANDS[s], RLVRModule, RLVRDataModule),
+        }
+        for s in TRAINER_COMMANDS
     }
     args = nulls_as_mappings(sys.argv[1:] if args is None else args)
     return RLVRCLI(
@@ -181,7 +210,15 @@ def build_cli(
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"exit_on_error": exit_on_error, "epilog": _EPILOG, **parser_kwargs},
+        parser_kwargs={
+            "exit_on_error": exit_on_error,
+            "epilog": _EPILOG,
+            "formatter_class": KeysFirstFormatter,  # jsonargparse gives it to the subcommands
+            **parser_kwargs,
+        },
+        # Train metrics from the first step: Lightning's default (50) hides a short run's
+        # first 49 steps. A config's own `trainer.log_every_n_steps` still wins.
+        trainer_defaults={"log_every_n_steps": LOG_EVERY_N_STEPS},
         # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
         # --optimizer/--lr_scheduler would replace it and ignore model.lr, warmup_steps, lr_decay.
         auto_configure_optimizers=False,

@@ -10,11 +10,16 @@ the ``huggingface_hub`` login. ``export`` does the export step alone, without up
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlvr_lightning.hub import model_card
+from rlvr_lightning.hub.card_safety import adapter_base_model
 from rlvr_lightning.hub.transfer import export_pretrained, module_heads, push_folder
 
 
@@ -38,9 +43,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _card_options(parser: argparse.ArgumentParser) -> None:
-    """The model card options both commands take."""
+    """The options both commands take: the card, the adapter's base, the module's code."""
     parser.add_argument("--card-template", default="default", help="card template name or path")
     parser.add_argument("--license", default="apache-2.0", help="license in the card metadata")
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="adapter-only: the base model the adapter records (a Hub id; default: the "
+        "policy's Hub id, else its local folder, which resolves on this machine only)",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE (a module in the folder you run from, or a .py file) before "
+        "loading: the module subclass, loss or reward functions a checkpoint names",
+    )
+
+
+def import_user_modules(names: Sequence[str]) -> None:
+    """Import each of ``names``: a ``.py`` file (under its stem's name) or a module importable
+    from the working directory (as ``python -m`` would), so that a checkpoint's own classes and
+    functions resolve. Lightning loads a subclass only once its module is imported."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    for name in names:
+        path = Path(name)
+        if path.suffix == ".py":
+            if not path.is_file():
+                raise SystemExit(f"--import {name}: no such file.")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module  # the checkpoint names it `<stem>.<Class>`
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(name)
+
+
+def check_module_class(hparams: Mapping[str, Any]) -> None:
+    """Raise, with the ``--import`` to add, when the checkpoint was written by a subclass of
+    ``RLVRModule`` (LightningCLI's ``_class_path``) whose module is not imported."""
+    class_path = str(hparams.get("_class_path") or "")
+    module = class_path.rpartition(".")[0]
+    if module and module not in sys.modules:
+        raise SystemExit(
+            f"The checkpoint was written by {class_path}, a module class that is not imported. "
+            f"If you trust the checkpoint, add `--import {module}` ({module}.py in the folder "
+            f"you run from, or its path: `--import path/to/{module.split('.')[-1]}.py`)."
+        )
 
 
 def build_export_parser() -> argparse.ArgumentParser:
@@ -73,8 +127,10 @@ def export_checkpoint(
     adapter_only: bool = False,
     card_template: str = "default",
     license: str = "apache-2.0",
+    base_model: str | None = None,
 ) -> Path:
-    """Rebuild the module from ``ckpt`` and export it with a card to ``target``."""
+    """Rebuild the module from ``ckpt`` and export it with a card to ``target``; an
+    adapter-only export records ``base_model`` (default: ``adapter_base_model``'s choice)."""
     import torch
 
     from rlvr_lightning.callbacks.export_model import CARD_FILE, CURVE_FILE
@@ -84,10 +140,12 @@ def export_checkpoint(
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
     # A checkpoint from before the option groups keeps its settings: its top-level keys are
     # moved into their groups (the flat ones are then ignored as unknown arguments).
+    check_module_class(checkpoint.get("hyper_parameters", {}))
     groups = regroup(checkpoint.get("hyper_parameters", {}))
     groups = {k: v for k, v in groups.items() if k in GROUPS}
     module = RLVRModule.load_from_checkpoint(ckpt, map_location="cpu", **groups)
-    base = model_card.public_base_model(str(module.hparams.get("policy", "")))
+    policy = str(module.hparams.get("policy", ""))
+    base = adapter_base_model(policy, base_model) if adapter_only else None
     path = export_pretrained(
         module.policy,
         module.tokenizer,
@@ -108,6 +166,7 @@ def export_checkpoint(
         license=license,
         adapter_only=adapter_only,
         reward_curve=curve,
+        base_model=base_model,
     )
     text = model_card.render_card(context, card_template)
     (path / CARD_FILE).write_text(model_card.scrub(text, [path.resolve(), Path(ckpt).parent]))
@@ -117,6 +176,7 @@ def export_checkpoint(
 def push_command(argv: Sequence[str]) -> str:
     """Run ``push`` with ``argv`` (the arguments after ``push``); returns the commit URL."""
     args = build_parser().parse_args(list(argv))
+    import_user_modules(args.imports)
     source = Path(args.path)
     if source.is_file() and source.suffix == ".ckpt":
         target = Path(args.export_dir or source.with_name(f"{source.stem}-export"))
@@ -127,6 +187,7 @@ def push_command(argv: Sequence[str]) -> str:
             adapter_only=args.adapter_only,
             card_template=args.card_template,
             license=args.license,
+            base_model=args.base_model,
         )
         print(f"Exported {source.name} to {folder}")
     elif source.is_dir():
@@ -149,6 +210,7 @@ def push_command(argv: Sequence[str]) -> str:
 def export_command(argv: Sequence[str]) -> Path:
     """Run ``export`` with ``argv`` (the arguments after ``export``); returns the folder."""
     args = build_export_parser().parse_args(list(argv))
+    import_user_modules(args.imports)
     source = Path(args.ckpt)
     if not source.is_file():
         raise SystemExit(f"export: checkpoint {args.ckpt!r} does not exist.")
@@ -159,6 +221,7 @@ def export_command(argv: Sequence[str]) -> Path:
         adapter_only=args.adapter_only,
         card_template=args.card_template,
         license=args.license,
+        base_model=args.base_model,
     )
     print(f"Exported {source.name} to {folder}")
     return folder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from rlvr_lightning.hub.transfer import is_hub_name, split_revision
+
+log = logging.getLogger(__name__)
 
 LOCAL_PATH = "<local path>"
 REDACTED = "<redacted>"
@@ -89,3 +92,26 @@ def scrub(text: str, roots: Sequence[str | Path] = ()) -> str:
     for root in sorted({str(r) for r in roots if str(r)}, key=len, reverse=True):
         text = text.replace(root, LOCAL_PATH)
     return _ABS_PATH.sub(LOCAL_PATH, text)
+
+
+def adapter_base_model(policy: str, given: str | None = None) -> str | None:
+    """The base model an adapter-only export records (``adapter_config.json``'s
+    ``base_model_name_or_path``, which ``AutoPeftModelForCausalLM`` loads): ``given`` (the
+    export's ``--base-model``), else the Hub id the policy was named by, else the policy's
+    local folder as an absolute path, with a warning that it resolves on this machine only;
+    None (with a warning) for a policy built in-process (``tiny:``)."""
+    if given:
+        return given
+    if public := public_base_model(policy):
+        return public
+    fix = "give the Hub id of the base model: `--base-model org/name` (ExportModel: base_model)"
+    if policy and Path(policy).exists():
+        log.warning(
+            "The adapter records its base model as the local folder %s: it will not resolve on "
+            "another machine; %s.",
+            Path(policy).resolve(),
+            fix,
+        )
+        return str(Path(policy).resolve())
+    log.warning("The adapter records no base model (policy %r has no folder); %s.", policy, fix)
+    return None

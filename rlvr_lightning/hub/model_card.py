@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import inspect
+import math
 import os
 import platform
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -290,6 +292,35 @@ def checkpoint_facts(checkpoint: Mapping[str, Any], module: Any) -> RunFacts:
     )
 
 
+_DETAIL = re.compile(
+    r"^(?P<key>.+/pass@\d+)_(?:ci(?P<level>\d+)_(?P<end>low|high)|(?P<count>prompts|samples))$"
+)
+
+
+def split_details(metrics: Mapping[str, float] | None) -> tuple[dict[str, float] | None, dict]:
+    """``metrics`` without pass@k's interval and counts, and those as one note per pass@k key
+    (``{"val/pass@4": "95% CI 0.26–1.00, 32 samples over 8 prompts"}``)."""
+    if metrics is None:
+        return None, {}
+    main: dict[str, float] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for key, value in metrics.items():
+        match = _DETAIL.match(key)
+        if match is None:
+            main[key] = value
+            continue
+        part = parts.setdefault(match["key"], {"level": "95"})
+        part[match["end"] or match["count"]] = value
+        part["level"] = match["level"] or part["level"]
+    return main, {key: _interval_note(part) for key, part in parts.items()}
+
+
+def _interval_note(part: Mapping[str, Any]) -> str:
+    low, high = part.get("low", math.nan), part.get("high", math.nan)
+    counts = f"{part.get('samples', 0):.0f} samples over {part.get('prompts', 0):.0f} prompts"
+    return f"{part['level']}% CI {low:.2f}–{high:.2f}, {counts}"
+
+
 def card_context(
     facts: RunFacts,
     record: TrainingRecord,
@@ -298,13 +329,15 @@ def card_context(
     license: str = "apache-2.0",
     adapter_only: bool = False,
     reward_curve: str | None = None,
+    base_model: str | None = None,
 ) -> dict[str, Any]:
-    """Everything a template may use: ``metadata`` (YAML), recipe, results, usage, citations."""
+    """Everything a template may use: ``metadata`` (YAML), recipe, results, usage, citations;
+    ``base_model`` (the export's ``--base-model``) replaces the policy as the base's name."""
     hparams = facts.hparams
     recipe = _recipe(hparams)
     source = str(facts.data_hparams.get("source", "unknown"))
-    before, after = record.before_after()
-    base_model = public_base_model(str(hparams.get("policy", "")))
+    (before, before_notes), (after, after_notes) = map(split_details, record.before_after())
+    base_model = public_base_model(base_model or str(hparams.get("policy", "")))
     dataset_type = Path(source).stem if os.path.isabs(source) else source
     datasets = [source] if is_hub_name(source) and "/" in source else []
     model_name = (repo_id or "rlvr-lightning-model").split("/")[-1]
@@ -337,6 +370,8 @@ def card_context(
         "wall_time": _duration(record.wall_time_s),
         "before": before,
         "after": after,
+        "before_notes": before_notes,
+        "after_notes": after_notes,
         "reward_curve": reward_curve,
         "reward_history": list(zip(record.steps, record.rewards, strict=True)),
         "citations": citations(

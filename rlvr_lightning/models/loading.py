@@ -10,6 +10,7 @@ model with a byte tokenizer, for tests and smoke runs).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ def load_policy(
         )
     else:
         path = hub.resolve_hub_model(name)  # `org/name` or `org/name@revision`
+    _check_adapter_base(Path(path), name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # Hub kernels off: they would be downloaded at run time, and kernelizing (on every
@@ -68,6 +70,20 @@ def load_policy(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return prepare_model(model, device_type), tokenizer
+
+
+def _check_adapter_base(folder: Path, name: str) -> None:
+    """An adapter-only folder that records no base model fails here, with the fix; transformers
+    would look its base up on the Hub as ``None`` (and retry for half a minute)."""
+    config = folder / "adapter_config.json"
+    if (folder / "config.json").exists() or not config.is_file():
+        return
+    if not json.loads(config.read_text()).get("base_model_name_or_path"):
+        raise ValueError(
+            f"Policy {name!r} is a LoRA adapter that records no base model. Set "
+            "`base_model_name_or_path` in its adapter_config.json (a Hub id or a folder), or "
+            "export again with `rlvr-lightning export CKPT --adapter-only --base-model org/name`."
+        )
 
 
 def add_lora(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from rlvr_lightning.data.sources import plain_text
 from rlvr_lightning.device import weights_cast_once
@@ -16,8 +17,17 @@ from rlvr_lightning.rollout.factory import build_engine, engine_dtype
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling
 
 
+def _is_chat(batch: PromptBatch) -> bool:
+    """Whether a prompt of ``batch`` is more than one user turn's text: a conversational row
+    (its ``prompts`` column is a message list) or several messages (a system prompt)."""
+    rows = batch.columns.get("prompts") or []
+    return any(isinstance(p, list) for p in rows) or any(len(m) > 1 for m in batch.messages)
+
+
 class GenerationStage(pl.LightningModule):
     """The rollout engine of ``RLVRModule`` and the ``rollout`` stage."""
+
+    _warned_flattened = False  # chat prompts met a tokenizer without a template (set once)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -47,6 +57,15 @@ class GenerationStage(pl.LightningModule):
         fmt = self.hparams.get("prompt_format", "auto")
         if fmt == "auto":
             fmt = "chat" if getattr(self.tokenizer, "chat_template", None) else "plain"
+            if fmt == "plain" and not self._warned_flattened and _is_chat(batch):
+                self._warned_flattened = True
+                rank_zero_warn(
+                    f"The prompts are chat messages but the tokenizer of policy "
+                    f"{self.hparams.get('policy')!r} has no chat template: prompt_format=auto "
+                    "joins their contents as plain text, roles dropped. Set "
+                    "model.init_args.prompt_format: plain to keep that (and this warning "
+                    "quiet), or train a model with a chat template."
+                )
         texts = [
             plain_text(m)
             if fmt == "plain"

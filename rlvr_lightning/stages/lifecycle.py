@@ -128,7 +128,8 @@ class StepLifecycle(pl.LightningModule):
         self._evaluate(batch, "test", self.test_metrics)
 
     def _evaluate(self, batch: PromptBatch, stage: str, metrics: EvalMetrics) -> None:
-        """Greedy accuracy and reward, plus pass@k of ``val_sampling`` when it samples k > 1."""
+        """Greedy accuracy and reward, plus pass@k of ``val_sampling`` when it samples k > 1
+        (the unbiased estimator; its interval is logged at the epoch's end)."""
         greedy = Sampling(
             max_new_tokens=self.val_sampling.max_new_tokens, temperature=0.0, group_size=1
         )
@@ -142,6 +143,21 @@ class StepLifecycle(pl.LightningModule):
             metrics.pass_at_k.update(sampled.correct.view(len(batch), -1))
             name = f"{stage}/pass@{metrics.pass_at_k.k}"
             self.log(name, metrics.pass_at_k, batch_size=len(batch))
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_pass_at_k_summary("val", self.val_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_pass_at_k_summary("test", self.test_metrics)
+
+    def _log_pass_at_k_summary(self, stage: str, metrics: EvalMetrics) -> None:
+        """``<stage>/pass@k_ci95_low``, ``_ci95_high``, ``_prompts``, ``_samples`` beside the
+        pass@k itself (its metric is reset after this hook, by Lightning)."""
+        pass_k = metrics.pass_at_k
+        if pass_k is None or not pass_k.update_called:
+            return
+        for key, value in pass_k.summary().items():
+            self.log(f"{stage}/pass@{pass_k.k}_{key}", value)
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> list[dict[str, Any]]:
         """One record per prompt: its ``val_sampling.group_size`` completions with every

@@ -60,16 +60,16 @@ class UpdateStage(pl.LightningModule):
                 metrics = {**m, "loss": loss}
                 # A finite loss can still give NaN/inf gradients (e.g. a huge lr); under DDP
                 # they are all-reduced already, so every rank takes the same decision.
-                problem = self._nonfinite_problem(loss, m.get("value_loss", 0.0))
+                norms = self._grad_norms()  # before clipping: spikes stay visible
+                problem = self._nonfinite_problem(loss, m.get("value_loss", 0.0), norms)
                 if problem is not None:
                     self._skip_nonfinite(problem[1], problem[0])
                     opt.zero_grad(set_to_none=True)
                     continue
                 self._nonfinite_streak = 0
                 self._clip(opt)
-                metrics["grad_norm"] = self._grad_norm()
-                if self.value_head is not None:
-                    metrics["value_grad_norm"] = self._grad_norm(self.value_head.parameters())
+                clipped = self._grad_norms() if h.grad_clip is not None else norms
+                metrics |= norms | {f"{k}_clipped": v for k, v in clipped.items()}
                 self._weights_touched = True  # checkpoints on exception: see lifecycle
                 opt.step()
                 sched.step()
@@ -88,16 +88,22 @@ class UpdateStage(pl.LightningModule):
         if trim:
             release_free_pages()
 
-    def _nonfinite_problem(self, loss: float, value_loss: float) -> tuple[str, float] | None:
-        """``(what, value)`` of the first non-finite loss or gradient norm, else None."""
-        checks = [("loss", lambda: loss), ("value loss", lambda: value_loss)]
-        checks.append(("gradient norm", self._grad_norm))
+    def _grad_norms(self) -> dict[str, float]:
+        """``grad_norm`` of the policy and, with a value head, ``value_grad_norm``."""
+        norms = {"grad_norm": self._grad_norm()}
         if self.value_head is not None:
-            checks.append(
-                ("value head gradient norm", lambda: self._grad_norm(self.value_head.parameters()))
-            )
-        for what, get in checks:
-            number = get()
+            norms["value_grad_norm"] = self._grad_norm(self.value_head.parameters())
+        return norms
+
+    @staticmethod
+    def _nonfinite_problem(
+        loss: float, value_loss: float, norms: dict[str, float]
+    ) -> tuple[str, float] | None:
+        """``(what, value)`` of the first non-finite loss or gradient norm, else None."""
+        names = {"grad_norm": "gradient norm", "value_grad_norm": "value head gradient norm"}
+        checks = [("loss", loss), ("value loss", value_loss)]
+        checks += [(names[k], v) for k, v in norms.items()]
+        for what, number in checks:
             if not math.isfinite(number):
                 return what, number
         return None

@@ -105,7 +105,8 @@ def _frozen_run(tmp_path: Path, frozen: int) -> tuple[str, int | None, float]:
     config = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
     cmd = [exe, "fit", "--config", config, f"--trainer.default_root_dir={tmp_path}"]
     cmd += ["--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_steps=4"]
-    cmd += ["--trainer.limit_val_batches=0", "--model.init_args.rewards.functions=[freeze.freeze_reward]"]
+    cmd += ["--trainer.limit_val_batches=0"]
+    cmd += ["--model.init_args.rewards.functions=[freeze.freeze_reward]"]
     cmd += ["--trainer.callbacks+=rlvr_lightning.callbacks.CollectiveWatch"]
     cmd += ["--trainer.callbacks.warn_every_s=3", "--trainer.callbacks.timeout_s=10"]
     cmd += ["--trainer.callbacks.heartbeat_s=0.5", "--model.init_args.rewards.timeout_s=0"]
