@@ -34,7 +34,7 @@ _DATA_KEYS = "`--data.help RLVRDataModule` the data keys"
 _FIXES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"--optimizer|--lr_scheduler|'optimizer'|'lr_scheduler'"),
-        "the optimiser is AdamW, set by model.init_args.lr, weight_decay, warmup_steps "
+        "the optimiser is AdamW, set by model.init_args.update: lr, weight_decay, warmup_steps "
         "(linear warm-up) and lr_decay (none, linear or cosine, to min_lr_ratio * lr); "
         "--optimizer/--lr_scheduler are not supported.",
     ),
