@@ -230,7 +230,7 @@ def test_default_limit_comes_from_the_model_and_skips_with_a_count(tmp_path):
 
 def test_explicit_max_prompt_tokens_wins_over_the_default(tmp_path):
     source = _sized_prompts(tmp_path, [40, 51, 52, 80])
-    dm = _attach_model(RLVRDataModule(source, val_size=0, max_prompt_tokens=60), context=100)
+    dm = _attach_model(RLVRDataModule(source, val_size=0, max_prompt_tokens=60), context=200)
     with pytest.warns(UserWarning, match=r"Skipped 1 of 4 training prompts longer than max_prompt"):
         dm.setup("fit")
     assert sorted(len(e.prompt) for e in dm.train_examples) == [40, 51, 52]
