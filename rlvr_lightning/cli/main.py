@@ -201,28 +201,34 @@ def build_cli(
         }
         for s in TRAINER_COMMANDS
     }
-    args = nulls_as_mappings(sys.argv[1:] if args is None else args)
-    return RLVRCLI(
-        RLVRModule,
-        RLVRDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=args,
-        run=run,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={
-            "exit_on_error": exit_on_error,
-            "epilog": _EPILOG,
-            "formatter_class": KeysFirstFormatter,  # jsonargparse gives it to the subcommands
-            **parser_kwargs,
-        },
-        # Train metrics from the first step: Lightning's default (50) hides a short run's
-        # first 49 steps. A config's own `trainer.log_every_n_steps` still wins.
-        trainer_defaults={"log_every_n_steps": LOG_EVERY_N_STEPS},
-        # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
-        # --optimizer/--lr_scheduler would replace it and ignore model.lr, warmup_steps, lr_decay.
-        auto_configure_optimizers=False,
-    )
+    from_argv = args is None
+    rewritten: list[str] | None = nulls_as_mappings(sys.argv[1:] if from_argv else args)
+    if from_argv and rewritten == sys.argv[1:]:
+        rewritten = None  # Lightning reads sys.argv itself
+    with warnings.catch_warnings():
+        if from_argv and rewritten is not None:  # its warning would only describe our rewrite
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return RLVRCLI(
+            RLVRModule,
+            RLVRDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=rewritten,
+            run=run,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={
+                "exit_on_error": exit_on_error,
+                "epilog": _EPILOG,
+                "formatter_class": KeysFirstFormatter,  # jsonargparse gives it to the subcommands
+                **parser_kwargs,
+            },
+            # Train metrics from the first step: Lightning's default (50) hides a short run's
+            # first 49 steps. A config's own `trainer.log_every_n_steps` still wins.
+            trainer_defaults={"log_every_n_steps": LOG_EVERY_N_STEPS},
+            # The module steps its own AdamW + warm-up (manual optimisation); Lightning's
+            # --optimizer/--lr_scheduler would replace it and ignore the `update` options.
+            auto_configure_optimizers=False,
+        )
 
 
 def _import_from_cwd() -> None:

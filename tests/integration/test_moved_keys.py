@@ -74,3 +74,17 @@ def test_a_group_field_set_to_null_on_the_command_line(tmp_path):
     update = cli.model.options.update
     assert update.grad_clip is None and update.max_steps_without_update is None
     assert update.lr == 1e-3  # the config's other fields stay
+
+
+def test_the_console_script_sets_a_null_without_lightnings_args_warning(tmp_path):
+    import subprocess
+    import sys
+
+    exe = str(Path(sys.executable).with_name("rlvr-lightning"))
+    out = subprocess.run(
+        [exe, "fit", "--config", CONFIG, "--model.init_args.update.grad_clip=null",
+         "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "args parameter is intended" not in out.stderr
