@@ -21,7 +21,20 @@ from contextlib import ExitStack
 
 import torch
 from generation import _prompts
-from length_buckets import _update_pass
+from length_buckets import _update_pass, precision_context
+
+
+def _print_summary(results: dict[str, list[tuple[float, float]]], sides: list[str]) -> None:
+    """Medians of generation speed and update time, SDPA against the grouped attention."""
+    (base_tok, base_upd), (new_tok, new_upd) = (
+        (statistics.median(r[0] for r in results[n]), statistics.median(r[1] for r in results[n]))
+        for n in sides
+    )
+    print(
+        f"generation: sdpa {base_tok:.1f} tok/s, rlvr_grouped {new_tok:.1f} tok/s "
+        f"({new_tok / base_tok:.2f}x)\nupdate: sdpa {base_upd:.2f} s, rlvr_grouped "
+        f"{new_upd:.2f} s ({new_upd / base_upd:.2f}x the time)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +50,6 @@ def main(argv: list[str] | None = None) -> None:
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.device import attention
     from rlvr_lightning.device.forward import group_microbatches
-    from rlvr_lightning.device.precision import weights_cast_once
     from rlvr_lightning.device.shared_prompts import BUCKET_PASS_TOKENS
     from rlvr_lightning.types import Sampling
 
@@ -47,11 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ids, mask = _prompts(module, args.prompts)
 
     def context() -> ExitStack:
-        stack = ExitStack()
-        if args.precision == "bf16":
-            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False))
-            stack.enter_context(weights_cast_once("cpu"))
-        return stack
+        return precision_context(args.precision)
 
     torch.manual_seed(0)
     policy.eval()
@@ -86,15 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             tok_s, update_s = measure(name)
             results[name].append((tok_s, update_s))
             print(f"rep {rep} {name:<13} generation {tok_s:6.1f} tok/s  update {update_s:6.2f} s")
-    (base_tok, base_upd), (new_tok, new_upd) = (
-        (statistics.median(r[0] for r in results[n]), statistics.median(r[1] for r in results[n]))
-        for n in sides
-    )
-    print(
-        f"generation: sdpa {base_tok:.1f} tok/s, rlvr_grouped {new_tok:.1f} tok/s "
-        f"({new_tok / base_tok:.2f}x)\nupdate: sdpa {base_upd:.2f} s, rlvr_grouped "
-        f"{new_upd:.2f} s ({new_upd / base_upd:.2f}x the time)"
-    )
+    _print_summary(results, sides)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from rlvr_lightning.data.stats import group_outcome
+from rlvr_lightning.stages.hooks import RLVRCallback
 from rlvr_lightning.testing import grouped
 
 RESULT_TAG = "RESULT "
@@ -68,43 +70,35 @@ def _source(args: argparse.Namespace) -> dict:
     return {"source": specs, "train_size": 200}
 
 
-def worker(args: argparse.Namespace) -> dict:
-    import lightning.pytorch as pl
-    from rlvr_lightning.callbacks import ExportModel
+class Steps(RLVRCallback):
+    """Records each rollout step and stops after ``steps`` of them."""
 
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.metrics: list[dict[str, float]] = []
+        # origin -> [groups, zero-variance groups, of which all correct]
+        self.groups = {"again": [0, 0, 0], "fresh": [0, 0, 0]}
+
+    def on_step_output(self, trainer, module, output) -> None:
+        self.metrics.append(dict(output.metrics))
+        for obs in trainer.datamodule.last_observed:
+            counts = self.groups["again" if obs.replayed else "fresh"]
+            counts[0] += 1
+            counts[1] += int(obs.reward_variance == 0)
+            solved = group_outcome(obs.num_correct, obs.group_size) == "all_correct"
+            counts[2] += int(obs.reward_variance == 0 and solved)
+        if len(self.metrics) >= self.steps:
+            trainer.should_stop = True
+
+
+def _module_and_data(args: argparse.Namespace) -> tuple:
+    """The module (answer accuracy + format, G=8, bf16 run) and the data module of a run."""
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.data import RLVRDataModule
-    from rlvr_lightning.data.stats import group_outcome
     from rlvr_lightning.models import EMBEDDED_DEFAULT
     from rlvr_lightning.rewards import answer_accuracy, boxed_format
-    from rlvr_lightning.stages.hooks import RLVRCallback
-    from rlvr_lightning.testing import quiet_trainer
     from rlvr_lightning.types import Sampling
 
-    class Steps(RLVRCallback):
-        """Records each rollout step and stops after ``args.steps`` of them."""
-
-        def __init__(self) -> None:
-            self.metrics: list[dict[str, float]] = []
-            # origin -> [groups, zero-variance groups, of which all correct]
-            self.groups = {"again": [0, 0, 0], "fresh": [0, 0, 0]}
-
-        def on_step_output(self, trainer, module, output) -> None:
-            self.metrics.append(dict(output.metrics))
-            for obs in trainer.datamodule.last_observed:
-                counts = self.groups["again" if obs.replayed else "fresh"]
-                counts[0] += 1
-                counts[1] += int(obs.reward_variance == 0)
-                solved = group_outcome(obs.num_correct, obs.group_size) == "all_correct"
-                counts[2] += int(obs.reward_variance == 0 and solved)
-            if len(self.metrics) >= args.steps:
-                trainer.should_stop = True
-
-    pl.seed_everything(args.seed)
-    steps = Steps()
-    callbacks: list[pl.Callback] = [steps]
-    if args.export:  # the warm-up run: keep its policy for the strategy runs
-        callbacks.append(ExportModel(dirpath=args.export, card=False))
     model = RLVRModule(
         **grouped(
             policy=args.policy or EMBEDDED_DEFAULT,
@@ -125,6 +119,21 @@ def worker(args: argparse.Namespace) -> dict:
         seed=args.seed,
         **_strategies(args.strategy),
     )
+    return model, data
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import lightning.pytorch as pl
+    from rlvr_lightning.callbacks import ExportModel
+
+    from rlvr_lightning.testing import quiet_trainer
+
+    pl.seed_everything(args.seed)
+    steps = Steps(args.steps)
+    callbacks: list[pl.Callback] = [steps]
+    if args.export:  # the warm-up run: keep its policy for the strategy runs
+        callbacks.append(ExportModel(dirpath=args.export, card=False))
+    model, data = _module_and_data(args)
     trainer = quiet_trainer(precision="bf16-mixed", max_steps=10 * args.steps, callbacks=callbacks)
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)

@@ -63,20 +63,21 @@ def _tokens_run(lengths: torch.Tensor, micros, pass_tokens) -> int:
     return total
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--micro", type=int, default=16)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--pass-tokens", type=int, default=None, help="default: BUCKET_PASS_TOKENS")
-    args = p.parse_args(argv)
+def precision_context(precision: str) -> ExitStack:
+    """bf16: autocast with the weights cast once, as the module's update runs; fp32: nothing."""
+    from rlvr_lightning.device import weights_cast_once
 
+    stack = ExitStack()
+    if precision == "bf16":
+        stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False))
+        stack.enter_context(weights_cast_once("cpu"))
+    return stack
+
+
+def _fixed_batch(args: argparse.Namespace):
+    """The embedded model, one generated batch of rollouts and its micro-batches (printed)."""
     from rlvr_lightning import RLVRModule
     from rlvr_lightning.device.forward import group_microbatches
-    from rlvr_lightning.device.precision import weights_cast_once
     from rlvr_lightning.device.shared_prompts import BUCKET_PASS_TOKENS
     from rlvr_lightning.types import Sampling
 
@@ -97,12 +98,22 @@ def main(argv: list[str] | None = None) -> None:
         f"prompt tokens {int(ids.shape[1])}; precision {args.precision}"
     )
 
-    def context() -> ExitStack:
-        stack = ExitStack()
-        if args.precision == "bf16":
-            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False))
-            stack.enter_context(weights_cast_once("cpu"))
-        return stack
+    return module, rollouts, micros, pass_tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--pass-tokens", type=int, default=None, help="default: BUCKET_PASS_TOKENS")
+    args = p.parse_args(argv)
+
+    module, rollouts, micros, pass_tokens = _fixed_batch(args)
+    lengths = rollouts.completion_mask.sum(-1)  # [N]
 
     sides = {"one pass": None, "buckets": pass_tokens}
     for name, tokens in sides.items():
@@ -111,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"real completion tokens {real} (+ 1 per row from the prompt pass)")
 
     def update(name: str):
-        with context():
+        with precision_context(args.precision):
             return _update_pass(module.policy, rollouts, micros, sides[name])
 
     first = {name: update(name)[1] for name in sides}  # warm-up

@@ -54,35 +54,12 @@ def _report(side: str, step_ends: list[float], warmup: int, extra: dict[str, Any
 # ---- workers ---------------------------------------------------------------------------------
 
 
-def run_trl(args: argparse.Namespace) -> None:
-    """TRL's GRPOTrainer on the same prompts and rewards."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def _trl_config(args: argparse.Namespace) -> Any:
+    """TRL's GRPOConfig for the shared settings (constant lr, no KL, clip 0.2, group-std)."""
+    from trl import GRPOConfig
 
-    from rlvr_lightning.data.prompts import to_messages
-    from rlvr_lightning.models import embedded_model_path
-    from rlvr_lightning.rewards import boxed_accuracy, boxed_format
-
-    def text(c: Any) -> str:
-        return c[-1]["content"] if isinstance(c, list) else c
-
-    def accuracy(completions: list[Any], answer: list[str], **_: Any) -> list[float | None]:
-        return boxed_accuracy([text(c) for c in completions], answer=answer)
-
-    def fmt(completions: list[Any], **_: Any) -> list[float | None]:
-        return boxed_format([text(c) for c in completions])
-
-    rows = [
-        {"prompt": to_messages(e.prompt, None, INSTRUCTION), "answer": e.columns["answer"]}
-        for e in _examples(args.prompts * (args.warmup + args.steps))
-    ]
-    path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     rollout_rows = args.prompts * args.group
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir="outputs/bench_trl",
         use_cpu=True,
         bf16=args.precision == "bf16",
@@ -110,6 +87,36 @@ def run_trl(args: argparse.Namespace) -> None:
         gradient_checkpointing=args.trl_gradient_checkpointing,
         seed=0,
     )
+
+
+def run_trl(args: argparse.Namespace) -> None:
+    """TRL's GRPOTrainer on the same prompts and rewards."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from rlvr_lightning.data.prompts import to_messages
+    from rlvr_lightning.models import embedded_model_path
+    from rlvr_lightning.rewards import boxed_accuracy, boxed_format
+
+    def text(c: Any) -> str:
+        return c[-1]["content"] if isinstance(c, list) else c
+
+    def accuracy(completions: list[Any], answer: list[str], **_: Any) -> list[float | None]:
+        return boxed_accuracy([text(c) for c in completions], answer=answer)
+
+    def fmt(completions: list[Any], **_: Any) -> list[float | None]:
+        return boxed_format([text(c) for c in completions])
+
+    rows = [
+        {"prompt": to_messages(e.prompt, None, INSTRUCTION), "answer": e.columns["answer"]}
+        for e in _examples(args.prompts * (args.warmup + args.steps))
+    ]
+    path = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    config = _trl_config(args)
     ends: list[float] = []
 
     class Clock(TrainerCallback):
@@ -136,34 +143,17 @@ def run_trl(args: argparse.Namespace) -> None:
     _report("trl", ends, args.warmup, {"mean_completion_len": lengths})
 
 
-def run_rlvr(args: argparse.Namespace, engine: str) -> None:
-    """rlvr-lightning's Trainer loop on the same prompts and rewards."""
-    import lightning.pytorch as pl
-
-    from rlvr_lightning import RLVRDataModule, RLVRModule
+def _rlvr_module(args: argparse.Namespace, engine: str) -> Any:
+    """The module for the shared settings on the ``hf`` or ``vllm`` engine."""
+    from rlvr_lightning import RLVRModule
     from rlvr_lightning.rewards import boxed_accuracy, boxed_format
-    from rlvr_lightning.testing import quiet_trainer
     from rlvr_lightning.types import Sampling
-
-    pl.seed_everything(0, verbose=False)
-    ends: list[float] = []
-    lengths: list[float] = []
-    stages: list[dict[str, float]] = []
-
-    class Clock(pl.Callback):
-        def on_train_start(self, *a: Any) -> None:
-            ends.append(time.perf_counter())
-
-        def on_train_batch_end(self, trainer: Any, module: Any, *a: Any) -> None:
-            ends.append(time.perf_counter())
-            lengths.append(module.last_step.metrics["completion_len"])
-            stages.append({k: module.last_step.metrics[k] for k in ("gen_time_s", "update_time_s")})
 
     engine_kwargs = {
         "dtype": "bfloat16" if args.precision == "bf16" else "float32",
         "kv_cache_gb": 0.5,  # 64 rows x 128 tokens need ~0.2 GiB; vLLM's CPU default is 4
     }
-    module = RLVRModule(
+    return RLVRModule(
         "embedded:smollm2-135m-instruct",
         **grouped(
             algorithm="grpo",
@@ -179,6 +169,30 @@ def run_rlvr(args: argparse.Namespace, engine: str) -> None:
             engine_kwargs=engine_kwargs if engine == "vllm" else None,
         ),
     )
+
+
+def run_rlvr(args: argparse.Namespace, engine: str) -> None:
+    """rlvr-lightning's Trainer loop on the same prompts and rewards."""
+    import lightning.pytorch as pl
+
+    from rlvr_lightning import RLVRDataModule
+    from rlvr_lightning.testing import quiet_trainer
+
+    pl.seed_everything(0, verbose=False)
+    ends: list[float] = []
+    lengths: list[float] = []
+    stages: list[dict[str, float]] = []
+
+    class Clock(pl.Callback):
+        def on_train_start(self, *a: Any) -> None:
+            ends.append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *a: Any) -> None:
+            ends.append(time.perf_counter())
+            lengths.append(module.last_step.metrics["completion_len"])
+            stages.append({k: module.last_step.metrics[k] for k in ("gen_time_s", "update_time_s")})
+
+    module = _rlvr_module(args, engine)
     data = RLVRDataModule(
         "addition",
         task_config={"digits": 1},
@@ -228,7 +242,7 @@ def _run_side(side: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(lines[-1][len(RESULT_TAG) :])
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sides", default="rlvr,trl", help="comma list of rlvr, trl, rlvr-vllm")
     p.add_argument("--reps", type=int, default=3, help="fresh processes per side")
@@ -249,24 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-python", default=sys.executable, help="interpreter with vllm installed")
     p.add_argument("--json", help="also write all raw results to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker == "trl":
-        return run_trl(args)
-    if args.worker in ("rlvr", "rlvr-vllm"):
-        return run_rlvr(args, "hf" if args.worker == "rlvr" else "vllm")
+    return p
 
-    sides = args.sides.split(",")
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
-    for rep in range(args.reps):
-        order = sides if rep % 2 == 0 else sides[::-1]
-        for side in order:
-            r = _run_side(side, args)
-            results[side].append(r)
-            print(
-                f"rep {rep} {side:<10} step_s {[round(t, 2) for t in r['step_s']]} "
-                f"peak_rss {r['rss_gb']:.2f} GiB",
-                flush=True,
-            )
+
+def _summary(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> dict:
+    """Print the medians of each side (and their ratios to TRL's); return them."""
     summary = {
         s: {
             "median_step_s": statistics.median(t for r in rs for t in r["step_s"]),
@@ -293,6 +294,29 @@ def main(argv: list[str] | None = None) -> None:
                     f"{s} / trl: step time {m['median_step_s'] / base['median_step_s']:.2f}x, "
                     f"peak memory {m['median_peak_rss_gb'] / base['median_peak_rss_gb']:.2f}x"
                 )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.worker == "trl":
+        return run_trl(args)
+    if args.worker in ("rlvr", "rlvr-vllm"):
+        return run_rlvr(args, "hf" if args.worker == "rlvr" else "vllm")
+
+    sides = args.sides.split(",")
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    for rep in range(args.reps):
+        order = sides if rep % 2 == 0 else sides[::-1]
+        for side in order:
+            r = _run_side(side, args)
+            results[side].append(r)
+            print(
+                f"rep {rep} {side:<10} step_s {[round(t, 2) for t in r['step_s']]} "
+                f"peak_rss {r['rss_gb']:.2f} GiB",
+                flush=True,
+            )
+    summary = _summary(args, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results, "summary": summary}, f, indent=1)
