@@ -33,3 +33,24 @@ def _hub_server() -> ModuleType:
 def fake_hub() -> type:
     """The ``FakeHub`` class: ``with fake_hub() as hub:`` serves it at ``hub.url``."""
     return _hub_server().FakeHub
+
+
+@pytest.fixture
+def fit_error(capsys):
+    """``fit_error(*args)``: run ``rlvr-lightning fit --config configs/tiny.yaml *args``,
+    expect a parse error (exit 2) and return its report: a few lines from the command's own
+    line on, without a traceback."""
+    from rlvr_lightning.cli.main import main
+
+    config = str(Path(__file__).parents[1] / "configs" / "tiny.yaml")
+
+    def run(*args: str) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", config, *args])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        err = err[err.index("rlvr-lightning") :].strip()
+        assert "Traceback" not in err and len(err.splitlines()) < 6, err
+        return err
+
+    return run

@@ -14,13 +14,8 @@ ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
 
 
-def _fix(capsys, *args: str) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", CONFIG, *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    err = err[err.index("rlvr-lightning") :].strip()
-    assert "Traceback" not in err and len(err.splitlines()) < 6, err
+def _fix(fit_error, *args: str) -> str:
+    err = fit_error(*args)
     fixes = [line.strip() for line in err.splitlines() if line.strip().startswith("Fix:")]
     assert len(fixes) == 1, err
     return fixes[0]
@@ -32,16 +27,16 @@ def _fix(capsys, *args: str) -> str:
      ("learning_rate", "1e-6"), ("max_completion_length", "256"), ("epsilon_high", "0.28"),
      ("per_device_train_batch_size", "16"), ("max_prompt_length", "512")],
 )  # fmt: skip
-def test_a_trl_flag_names_its_key_here(capsys, trl, value):
+def test_a_trl_flag_names_its_key_here(fit_error, trl, value):
     here = TRL_NAMES[trl][0]
     # TRL's own command line spells it at the top level; in a YAML it may sit under the model.
     for flag in (f"--{trl}={value}", f"--model.init_args.{trl}={value}"):
-        assert f"`{trl}` is TRL's name: here it is `{here}`" in _fix(capsys, flag), flag
+        assert f"`{trl}` is TRL's name: here it is `{here}`" in _fix(fit_error, flag), flag
 
 
-def test_a_trl_key_in_a_yaml_file_names_its_key_here(tmp_path, capsys):
+def test_a_trl_key_in_a_yaml_file_names_its_key_here(tmp_path, fit_error):
     (tmp_path / "trl.yaml").write_text("num_generations: 8\n")
-    fix = _fix(capsys, "--config", str(tmp_path / "trl.yaml"))
+    fix = _fix(fit_error, "--config", str(tmp_path / "trl.yaml"))
     assert "`model.init_args.sampling.group_size`" in fix
 
 
@@ -60,18 +55,18 @@ def test_the_readme_trl_table_agrees_with_the_cli():
             assert name in TRL_NAMES, name
 
 
-def test_a_misspelled_sampling_key_gets_the_closest_key(tmp_path, capsys):
-    fix = _fix(capsys, "--model.init_args.sampling.gruop_size=4")
+def test_a_misspelled_sampling_key_gets_the_closest_key(tmp_path, fit_error):
+    fix = _fix(fit_error, "--model.init_args.sampling.gruop_size=4")
     assert "`model.init_args.sampling` has no key `gruop_size`: did you mean `group_size`?" in fix
     (tmp_path / "typo.yaml").write_text("model:\n  init_args:\n    sampling: {temprature: 0.7}\n")
-    fix = _fix(capsys, "--config", str(tmp_path / "typo.yaml"))
+    fix = _fix(fit_error, "--config", str(tmp_path / "typo.yaml"))
     assert "did you mean `temperature`?" in fix
 
 
-def test_a_bare_reward_name_is_told_its_package(capsys):
-    fix = _fix(capsys, "--model.init_args.rewards.functions=[boxed_accuracy]")
+def test_a_bare_reward_name_is_told_its_package(fit_error):
+    fix = _fix(fit_error, "--model.init_args.rewards.functions=[boxed_accuracy]")
     assert fix == "Fix: name it by its import path: rlvr_lightning.rewards.boxed_accuracy."
-    fix = _fix(capsys, "--model.init_args.rewards.functions=[my_score]")
+    fix = _fix(fit_error, "--model.init_args.rewards.functions=[my_score]")
     assert "my_rewards.my_score" in fix and "callbacks" not in fix
 
 

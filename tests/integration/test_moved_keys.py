@@ -11,33 +11,23 @@ from rlvr_lightning.options import MOVED
 CONFIG = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
 
 
-def _error(capsys, *args: str) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", CONFIG, *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    err = err[err.index("rlvr-lightning") :].strip()
-    assert "Traceback" not in err and len(err.splitlines()) < 6, err
-    return err
-
-
 @pytest.mark.parametrize(
     ("old", "value"),
     [("kl_coef", "0.1"), ("reward_fns", "[rlvr_lightning.rewards.boxed_format]"),
      ("lora_rank", "4"), ("rollout_correction", "mask"), ("micro_batch_size", "2")],
 )  # fmt: skip
-def test_an_old_key_on_the_command_line_names_its_group(capsys, old, value):
-    err = _error(capsys, f"--model.init_args.{old}={value}")
+def test_an_old_key_on_the_command_line_names_its_group(fit_error, old, value):
+    err = fit_error(f"--model.init_args.{old}={value}")
     fix = [line for line in err.splitlines() if "Fix:" in line]
     assert fix == [f"  Fix: `model.init_args.{old}` moved: write `model.init_args.{MOVED[old]}` "
                    f"(YAML: `{MOVED[old].split('.')[0]}: {{{MOVED[old].split('.')[1]}: ...}}` "
                    "under init_args)."]  # fmt: skip
 
 
-def test_an_old_key_in_a_yaml_file_names_its_group(tmp_path, capsys):
+def test_an_old_key_in_a_yaml_file_names_its_group(tmp_path, fit_error):
     run = tmp_path / "old.yaml"
     run.write_text(yaml.safe_dump({"model": {"init_args": {"lr": 1e-4}}}))
-    err = _error(capsys, "--config", str(run))
+    err = fit_error("--config", str(run))
     assert "`model.init_args.lr` moved: write `model.init_args.update.lr`" in err
 
 
