@@ -140,6 +140,19 @@ class Rollouts:
     # [N, F] inputs of a probe head (``heads/probe_head.py``: layer means and mean token
     # entropy) from that same forward; None without a probe head.
     probe_features: torch.Tensor | None = None
+    # [N, T] 1 on tokens an environment wrote into a multi-turn trajectory (tool results,
+    # feedback, the chat template's turn markers between model turns): they are context the
+    # model attends to but never trained on (``loss_mask``); their ``behaviour_logp`` is 0.
+    # None: single-turn rows, every completion token is the model's.
+    env_mask: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:  # [N, T]
+        """1 on the tokens the model sampled (``completion_mask`` less ``env_mask``): the
+        tokens every loss, KL, π_old, TIS weight and advantage is taken over."""
+        if self.env_mask is None:
+            return self.completion_mask
+        return self.completion_mask * (1 - self.env_mask.to(self.completion_mask.dtype))
 
     @property
     def num_rows(self) -> int:

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("device",),
     ("runtime", "hub", "hub_cards"),
     ("rewards",),
+    ("environments",),
     ("models",),
     ("heads",),
     ("data",),
