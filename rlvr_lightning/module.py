@@ -16,23 +16,13 @@ import lightning.pytorch as pl
 import torch
 
 from rlvr_lightning import models
+from rlvr_lightning import options as opt
 from rlvr_lightning.algorithms.metrics import EvalMetrics
 from rlvr_lightning.algorithms.offpolicy import mixed_advantages
 from rlvr_lightning.algorithms.outcomes import informative_groups
 from rlvr_lightning.algorithms.presets import AlgorithmName, EstimatorName, Preset, get_preset
 from rlvr_lightning.device import prepare_model
 from rlvr_lightning.heads import ProbeHead, ValueHead
-from rlvr_lightning.options import (
-    Correction,
-    LoRA,
-    Loss,
-    OffPolicy,
-    Options,
-    Rewards,
-    Selection,
-    Update,
-    as_group,
-)
 from rlvr_lightning.rewards.trl_contract import RewardState
 from rlvr_lightning.rollout.base import RolloutEngine
 from rlvr_lightning.rollout.factory import resolve_engine
@@ -41,6 +31,7 @@ from rlvr_lightning.stages.dynamic import keep_first, refill_step
 from rlvr_lightning.stages.generation import GenerationStage
 from rlvr_lightning.stages.hooks import run_hooks
 from rlvr_lightning.stages.lifecycle import StepLifecycle, plain_hparam
+from rlvr_lightning.stages.multiturn import turn_credit
 from rlvr_lightning.stages.optimise import UpdateStage
 from rlvr_lightning.stages.scoring import score_rollouts
 from rlvr_lightning.stages.summary import StepClock, summarise_step
@@ -72,6 +63,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         lora: LoRA rank, alpha and target modules (rank 0 trains all parameters).
         correction: where ``π_old`` comes from, and TIS / masking of sampler mismatch.
         offpolicy: loss weighting and baseline of injected (off-policy) members.
+        multiturn: tools, an environment and turn limits (multi-turn trajectories).
         value_head: the critic of ``estimator: gae``, called with the policy's hidden size:
             ``heads.ValueHead`` (class path and init args in YAML); saved in checkpoints.
         probe_head: POISE's probe of ``estimator: probe``, called with the policy's hidden
@@ -96,13 +88,14 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         sampling: Sampling = Sampling(max_new_tokens=64, temperature=1.0, group_size=8),
         val_sampling: Sampling = Sampling(max_new_tokens=64, temperature=0.0, group_size=1),
         prompt_format: Literal["chat", "plain", "auto"] = "auto",
-        rewards: Rewards = Rewards(),
-        loss: Loss = Loss(),
-        selection: Selection = Selection(),
-        update: Update = Update(),
-        lora: LoRA = LoRA(),
-        correction: Correction = Correction(),
-        offpolicy: OffPolicy = OffPolicy(),
+        rewards: opt.Rewards = opt.Rewards(),
+        loss: opt.Loss = opt.Loss(),
+        selection: opt.Selection = opt.Selection(),
+        update: opt.Update = opt.Update(),
+        lora: opt.LoRA = opt.LoRA(),
+        correction: opt.Correction = opt.Correction(),
+        offpolicy: opt.OffPolicy = opt.OffPolicy(),
+        multiturn: opt.MultiTurn = opt.MultiTurn(),
         value_head: Callable[[int], ValueHead] | None = None,
         probe_head: Callable[[int], ProbeHead] | None = None,
         engine: Literal["hf", "vllm", "auto"] = "hf",
@@ -114,13 +107,13 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         for key, value in self.hparams.items():
             self.hparams[key] = plain_hparam(value)
         self.automatic_optimization = False
-        self.options = Options.of(
+        self.options = opt.Options.of(
             rewards=rewards, loss=loss, selection=selection, update=update, lora=lora,
-            correction=correction, offpolicy=offpolicy,
+            correction=correction, offpolicy=offpolicy, multiturn=multiturn,
         )  # fmt: skip
         self.sampling, self.val_sampling = (
-            as_group(Sampling, sampling),
-            as_group(Sampling, val_sampling),
+            opt.as_group(Sampling, sampling),
+            opt.as_group(Sampling, val_sampling),
         )
         heads = (value_head, probe_head)
         self._build(policy, dtype, keep_dropout, get_preset(algorithm), estimator, *heads)
@@ -200,7 +193,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             extra = self.value_head.estimator_kwargs(scored.rollouts, rows)
         if self.probe_head is not None:
             extra = self.probe_head.estimator_kwargs(scored)
-        return mixed_advantages(scored, self.estimator, self.options.offpolicy.baseline, **extra)
+        adv = mixed_advantages(scored, self.estimator, self.options.offpolicy.baseline, **extra)
+        return turn_credit(scored, adv, self.options.multiturn)  # multi-turn: per-turn credit
 
     def select_groups(self, batch: PromptBatch, scored: Scored) -> torch.Tensor:
         """``[B]`` bool: groups the update uses.

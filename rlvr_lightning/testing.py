@@ -13,6 +13,7 @@ from rlvr_lightning.rewards.trl_contract import Completion, completion_text
 
 __all__ = ["CHAT_TEMPLATE", "byte_tokenizer", "tiny_policy"]
 
+
 def digit_fraction(completions: list[Completion], **_: object) -> list[float]:
     """A dense toy reward: the fraction of characters that are digits.
 

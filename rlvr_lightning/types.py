@@ -145,6 +145,13 @@ class Rollouts:
     # model attends to but never trained on (``loss_mask``); their ``behaviour_logp`` is 0.
     # None: single-turn rows, every completion token is the model's.
     env_mask: torch.Tensor | None = None
+    # [N] the turns after the prompt of a multi-turn trajectory, as messages (assistant turns,
+    # tool results, feedback); reward functions get them as TRL's ``completions``. None:
+    # single-turn rows.
+    conversations: tuple[tuple[dict, ...], ...] | None = None
+    # name -> [N] per-trajectory counts of a multi-turn rollout (``turns``, ``tool_calls``,
+    # ``tool_errors``, ``env_reward``: the environment's ``get_reward()``, NaN without one).
+    turn_stats: dict[str, torch.Tensor] | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:  # [N, T]

@@ -110,7 +110,7 @@ def needs_trainer_logprobs(
     if not engine_shares_policy or truncated_sampler:
         return True
     on = rows_without_injected_tokens(rollouts)  # [N]
-    sampled = rollouts.completion_mask.bool() & on[:, None]  # [N, T]
+    sampled = rollouts.loss_mask.bool() & on[:, None]  # [N, T]
     return bool((rollouts.token_temperature[sampled] != base_temperature).any())
 
 

@@ -194,7 +194,7 @@ class RewardCombiner:
 
     def __call__(
         self,
-        completions: list[str],
+        completions: list[str] | list[list[dict]],
         columns: dict[str, list[Any]],
         conversational: Sequence[bool] | None = None,
         trainer_state: RewardState | None = None,

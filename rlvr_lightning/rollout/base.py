@@ -18,7 +18,6 @@ POSITION_TEMPERATURE_REFUSAL = (
 )
 
 
-
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates ``G`` completions per prompt and keeps its weights in sync with the policy.

@@ -36,8 +36,6 @@ def resolve_engine(engine: EngineName, policy: str) -> Literal["hf", "vllm"]:
     return engine
 
 
-
-
 def require_position_temperatures(engine: EngineName, policy: str) -> None:
     """Refuse an engine that cannot sample with a per-position temperature: every one but
     ``hf`` (``auto`` included when it resolves to vLLM)."""

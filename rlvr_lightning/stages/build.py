@@ -48,6 +48,11 @@ def validate_options(
         raise ValueError("offpolicy.baseline: on_policy needs estimator grpo or dr_grpo.")
     check_value_head(estimator, value_head is not None)
     check_probe_head(estimator, probe_head is not None)
+    if options.multiturn.enabled and value_head is not None:
+        raise ValueError(
+            "A value head (GAE) is not supported with multi-turn rollouts (its returns would "
+            "run across the environment's tokens); use estimator grpo, rloo or dr_grpo."
+        )
 
 
 def group_filter(preset: Preset, selection: Selection) -> tuple[bool, InformativeBy]:

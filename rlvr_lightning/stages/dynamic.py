@@ -81,6 +81,18 @@ def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
             for r in (a, b)
         ]
         offpolicy = torch.cat(masks, dim=0)  # [Na + Nb, T]
+    env = None
+    if a.env_mask is not None or b.env_mask is not None:
+        envs = [
+            _pad_to(
+                r.env_mask if r.env_mask is not None else torch.zeros_like(r.completion_mask),
+                t,
+                0,
+                left=False,
+            )
+            for r in (a, b)
+        ]
+        env = torch.cat(envs, dim=0)  # [Na + Nb, T]
     position = None
     if a.position_temperature is not None or b.position_temperature is not None:
         temps = [_pad_to(r.token_temperature, t, 1.0, left=False) for r in (a, b)]
@@ -99,7 +111,38 @@ def concat_rollouts(a: Rollouts, b: Rollouts, pad_id: int) -> Rollouts:
         sources=sources if (a.sources or b.sources) else (),
         offpolicy_mask=offpolicy,
         position_temperature=position,
+        env_mask=env,
+        conversations=_conversations(a, b),
+        turn_stats=_turn_stats(a, b),
     )
+
+
+def _turn_stats(a: Rollouts, b: Rollouts) -> dict[str, torch.Tensor] | None:
+    """The per-trajectory counts of ``a`` then ``b`` (a single-turn row: one turn, no tools)."""
+    if a.turn_stats is None and b.turn_stats is None:
+        return None
+    names = set(a.turn_stats or {}) | set(b.turn_stats or {})
+
+    def col(r: Rollouts, name: str) -> torch.Tensor:
+        if r.turn_stats is not None and name in r.turn_stats:
+            return r.turn_stats[name]
+        fill = {"turns": 1.0, "env_reward": float("nan")}.get(name, 0.0)
+        return torch.full((r.num_rows,), fill)
+
+    return {name: torch.cat([col(a, name), col(b, name)]) for name in sorted(names)}
+
+
+def _conversations(a: Rollouts, b: Rollouts) -> tuple | None:
+    """The multi-turn conversations of ``a`` then ``b`` (a single-turn row: its one answer)."""
+    if a.conversations is None and b.conversations is None:
+        return None
+
+    def rows(r: Rollouts) -> tuple:
+        if r.conversations is not None:
+            return r.conversations
+        return tuple(({"role": "assistant", "content": c},) for c in r.completions)
+
+    return rows(a) + rows(b)
 
 
 def _row_values(s: Scored, name: str, fill: float, dtype: torch.dtype) -> torch.Tensor:

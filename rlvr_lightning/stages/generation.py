@@ -12,8 +12,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlvr_lightning.data.sources import plain_text
 from rlvr_lightning.device import weights_cast_once
+from rlvr_lightning.environments import SessionFactory
 from rlvr_lightning.rollout.base import RolloutEngine, policy_weights
 from rlvr_lightning.rollout.factory import build_engine, engine_dtype
+from rlvr_lightning.stages.multiturn import multi_turn_rollouts
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling
 
 
@@ -28,6 +30,19 @@ class GenerationStage(pl.LightningModule):
     """The rollout engine of ``RLVRModule`` and the ``rollout`` stage."""
 
     _warned_flattened = False  # chat prompts met a tokenizer without a template (set once)
+    _sessions: SessionFactory | None = None
+
+    @property
+    def sessions(self) -> SessionFactory:
+        """The tools and environment of multi-turn rollouts (``multiturn`` options), built once."""
+        if self._sessions is None:
+            mt = self.options.multiturn
+            self._sessions = SessionFactory(
+                tools=mt.tools,
+                environment=mt.environment,
+                max_tool_output_chars=mt.max_tool_output_chars,
+            )
+        return self._sessions
 
     @property
     def engine(self) -> RolloutEngine:
@@ -88,8 +103,14 @@ class GenerationStage(pl.LightningModule):
         if temperatures is None and batch.temperatures is not None and sampling.temperature > 0:
             per_prompt = [sampling.temperature if t is None else t for t in batch.temperatures]
             temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
-        ids, mask = self.encode_prompts(batch)
         self.sync_engine()
+        if self.options.multiturn.enabled:
+            with weights_cast_once(self.device.type):
+                return multi_turn_rollouts(
+                    self.engine, self.tokenizer, self.sessions, batch, sampling,
+                    self.options.multiturn, temperatures, self.device,
+                )  # fmt: skip
+        ids, mask = self.encode_prompts(batch)
         with weights_cast_once(self.device.type):  # the weights are fixed while it decodes
             return self.engine.generate(
                 ids,

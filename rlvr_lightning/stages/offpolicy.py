@@ -111,10 +111,18 @@ def replace_rows(
         if rollouts.offpolicy_mask is None
         else _pad_right(rollouts.offpolicy_mask, width, 0).clone()
     )  # [N, T']
+    env = rollouts.env_mask
+    env = None if env is None else _pad_right(env, width, 0).clone()  # [N, T'] (members: 0)
     temperature, truncated = rollouts.temperature.clone(), rollouts.truncated.clone()  # [N]
     position = rollouts.position_temperature
     position = None if position is None else _pad_right(position, width, 1.0).clone()  # [N, T']
     tags, completions = list(sources_of(rollouts)), list(rollouts.completions)
+    talks = None if rollouts.conversations is None else list(rollouts.conversations)
+    stats = (
+        None
+        if rollouts.turn_stats is None
+        else {k: v.clone() for k, v in rollouts.turn_stats.items()}
+    )
     own = [False] * len(rows) if as_on_policy is None else list(as_on_policy)
     for row, tok, lp, src, temp, text, mine in zip(
         rows, token_ids, behaviour_logp, sources, temperatures, texts, own, strict=True
@@ -128,6 +136,12 @@ def replace_rows(
         temperature[row], truncated[row] = temp, False
         if position is not None:
             position[row] = temp
+        if env is not None:
+            env[row] = 0
+        if talks is not None:  # an injected member is one assistant answer
+            talks[row] = ({"role": "assistant", "content": text},)
+        for name, values in (stats or {}).items():
+            values[row] = {"turns": 1.0, "env_reward": float("nan")}.get(name, 0.0)
         tags[row], completions[row] = src, text
     return dataclasses.replace(
         rollouts,
@@ -140,6 +154,9 @@ def replace_rows(
         sources=tuple(tags),
         offpolicy_mask=off,
         position_temperature=position,
+        env_mask=env,
+        conversations=None if talks is None else tuple(talks),
+        turn_stats=stats,
     )
 
 
@@ -163,6 +180,13 @@ def select_rows(rollouts: Rollouts, rows: Sequence[int], group_size: int = 1) ->
         position_temperature=None
         if rollouts.position_temperature is None
         else rollouts.position_temperature[idx],
+        env_mask=None if rollouts.env_mask is None else rollouts.env_mask[idx],
+        conversations=None
+        if rollouts.conversations is None
+        else tuple(rollouts.conversations[i] for i in rows),
+        turn_stats=None
+        if rollouts.turn_stats is None
+        else {k: v[idx.cpu()] for k, v in rollouts.turn_stats.items()},
     )
 
 

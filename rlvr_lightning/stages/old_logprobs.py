@@ -35,7 +35,7 @@ def with_trainer_logprobs(
     old, values, features = trainer_forward(
         model, r, micro_batch_size, value_head, head_chunk_tokens, probe
     )  # [N, T], [N, T], [N, F]
-    sampled = rollouts.completion_mask.float() * on[:, None]  # [N, T]
+    sampled = rollouts.loss_mask.float() * on[:, None]  # [N, T]
     if rollouts.offpolicy_mask is not None:
         old = torch.where(rollouts.offpolicy_mask.bool(), rollouts.behaviour_logp.float(), old)
     stats = mismatch_metrics(old, rollouts.behaviour_logp, sampled, cap)
@@ -54,7 +54,8 @@ def deferred_trainer_logprobs(rollouts: Rollouts, base_temperature: float) -> Ro
     update then."""
     r, _ = _at_base_temperature(rollouts, base_temperature)
     valid = rollouts.completion_mask.bool()  # [N, T]
-    trainer_tokens = valid  # the tokens with_trainer_logprobs would fill from its forward
+    # the tokens with_trainer_logprobs would fill from its forward (environment tokens keep 0)
+    trainer_tokens = rollouts.loss_mask.bool()
     if rollouts.offpolicy_mask is not None:
         trainer_tokens = valid & ~rollouts.offpolicy_mask.bool()
     stored = torch.where(trainer_tokens, torch.nan, rollouts.behaviour_logp.float())  # [N, T]

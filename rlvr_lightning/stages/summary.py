@@ -38,7 +38,7 @@ def row_fields(batch: PromptBatch, scored: Scored, advantages: torch.Tensor) -> 
         "per_function": {k: v.detach().float().cpu() for k, v in scored.per_function.items()},
         "row_rewards": scored.rewards.detach().float().cpu(),
         "row_correct": scored.correct.detach().cpu(),
-        "advantages": row_advantages(advantages, scored.rollouts.completion_mask),
+        "advantages": row_advantages(advantages, scored.rollouts.loss_mask),
     }
 
 
@@ -85,6 +85,7 @@ def summarise_step(
     for name, values in scored.per_function.items():
         metrics[f"reward/{name}"] = float(values.nanmean()) if values.numel() else 0.0
     metrics.update({k: v for k, v in scored.metrics.items() if not k.endswith("/mean")})
+    metrics.update(turn_metrics(scored.rollouts))
     metrics.update(update_metrics)
     return StepOutput(
         step=step,
@@ -99,6 +100,23 @@ def summarise_step(
         trained=None if trained is None else trained.detach().cpu(),
         **row_fields(batch, scored, advantages),
     )
+
+
+def turn_metrics(rollouts: Rollouts) -> dict[str, float]:
+    """Multi-turn rollouts' means per trajectory (``multiturn/turns``, ``tool_calls``,
+    ``tool_errors``) and the tokens trained against the tokens seen (the environment's are
+    seen, never trained); empty for single-turn rows."""
+    if rollouts.turn_stats is None:
+        return {}
+    stats = {
+        f"multiturn/{k}": float(v.float().nanmean()) if v.numel() else 0.0
+        for k, v in rollouts.turn_stats.items()
+        if k != "env_reward"
+    }
+    trained, seen = float(rollouts.loss_mask.sum()), float(rollouts.completion_mask.sum())
+    stats["multiturn/tokens_trained"] = trained
+    stats["multiturn/tokens_seen"] = seen
+    return stats
 
 
 class StepClock:

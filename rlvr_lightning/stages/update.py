@@ -112,7 +112,7 @@ class PolicyUpdate:
         decision on it is the same everywhere. Metrics stay this rank's own means; with a
         value head they include ``value_loss`` (the union batch's, like the loss).
         """
-        masks = rollouts.completion_mask  # [N, T]
+        masks = rollouts.loss_mask  # [N, T] model tokens (no environment tokens)
         local_units = agg_units(masks[rows], self.agg_mode)
         reduce = mean_over_ranks or float
         mean_units = reduce(local_units)

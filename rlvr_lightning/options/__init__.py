@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from rlvr_lightning.algorithms.losses import AggMode
 from rlvr_lightning.algorithms.outcomes import InformativeBy
+from rlvr_lightning.options.multiturn import MultiTurn
 
 
 @dataclass(frozen=True)
@@ -231,11 +232,12 @@ class Options:
     lora: LoRA = LoRA()
     correction: Correction = Correction()
     offpolicy: OffPolicy = OffPolicy()
+    multiturn: MultiTurn = MultiTurn()
 
 
 GROUPS: dict[str, type] = {
     "rewards": Rewards, "loss": Loss, "selection": Selection, "update": Update, "lora": LoRA,
-    "correction": Correction, "offpolicy": OffPolicy,
+    "correction": Correction, "offpolicy": OffPolicy, "multiturn": MultiTurn,
 }  # fmt: skip
 
 # The keys of the ungrouped signature whose name changed with their group.
