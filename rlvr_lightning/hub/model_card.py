@@ -25,6 +25,7 @@ import torch
 
 from rlvr_lightning.algorithms.presets import get_preset
 from rlvr_lightning.hub import card_safety
+from rlvr_lightning.hub.card_multiturn import multiturn_line
 from rlvr_lightning.hub.card_safety import clean_value, public_base_model, scrub
 from rlvr_lightning.hub.transfer import is_hub_name
 
@@ -367,6 +368,7 @@ def card_context(
         "rollout_steps": len(record.steps),
         "tokens": int(record.tokens),
         "hardware": facts.hardware,
+        "multiturn": multiturn_line(hparams.get("multiturn")),
         "wall_time": _duration(record.wall_time_s),
         "before": before,
         "after": after,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class MultiTurn:
-    """Multi-turn rollouts: tools, an environment and their limits (off while ``max_turns`` is 1
-    and neither ``tools`` nor ``environment`` is set).
+    """Multi-turn rollouts: tools, an environment and their limits (on when ``tools`` or
+    ``environment`` is set).
 
     Args:
         tools: tool functions (import paths in YAML), TRL's ``tools``: type hints and a
@@ -20,8 +21,9 @@ class MultiTurn:
             ``feedback(answer) -> str | None`` (this project's extension) answers a turn without
             a tool call (None: done). One instance per trajectory.
         max_turns: model turns per trajectory (TRL's ``max_tool_calling_iterations`` + 1).
-        max_total_tokens: tokens after the prompt, model and environment together (None:
-            ``max_turns * sampling.max_new_tokens``).
+        max_total_tokens: tokens after the prompt, model and environment together; an
+            environment turn that would pass it ends the trajectory (None: no limit besides
+            ``sampling.max_new_tokens`` a turn and ``max_tool_output_chars`` a tool result).
         tool_timeout_s: seconds a tool call (or ``feedback``) may run before it is an error.
         max_tool_output_chars: a tool result longer than this is cut, marked and counted as an
             error (4000 is this project's choice).
@@ -32,7 +34,7 @@ class MultiTurn:
     """
 
     tools: Sequence[Callable] | None = None
-    environment: Callable | None = None
+    environment: type | Callable[[], Any] | None = None
     max_turns: int = 1
     max_total_tokens: int | None = None
     tool_timeout_s: float = 10.0
@@ -42,7 +44,7 @@ class MultiTurn:
 
     @property
     def enabled(self) -> bool:
-        return self.max_turns > 1 or bool(self.tools) or self.environment is not None
+        return bool(self.tools) or self.environment is not None
 
     def __post_init__(self) -> None:
         problems = [
@@ -65,5 +67,10 @@ class MultiTurn:
             )
             if bad
         ]
+        if self.max_turns > 1 and not self.enabled:
+            problems.append(
+                f"max_turns is {self.max_turns} but no tools or environment answer the turns; "
+                "set multiturn.tools or multiturn.environment, or max_turns: 1"
+            )
         if problems:
             raise ValueError("multiturn: " + "; ".join(problems) + ".")

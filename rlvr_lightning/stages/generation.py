@@ -38,8 +38,8 @@ class GenerationStage(pl.LightningModule):
         if self._sessions is None:
             mt = self.options.multiturn
             self._sessions = SessionFactory(
-                tools=mt.tools,
-                environment=mt.environment,
+                tools=list(mt.tools or ()),
+                environment_factory=mt.environment,
                 max_tool_output_chars=mt.max_tool_output_chars,
             )
         return self._sessions

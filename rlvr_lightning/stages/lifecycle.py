@@ -137,6 +137,11 @@ class StepLifecycle(pl.LightningModule):
         metrics.accuracy.update(scored.correct.float())
         metrics.reward.update(scored.rewards)
         self.log(f"{stage}/accuracy", metrics.accuracy, prog_bar=True, batch_size=len(batch))
+        for key in ("first_turn_accuracy", "turns"):  # multi-turn: the first answer, turns used
+            if f"multiturn/{key}" in scored.metrics:
+                self.log(
+                    f"{stage}/{key}", scored.metrics[f"multiturn/{key}"], batch_size=len(batch)
+                )
         self.log(f"{stage}/reward", metrics.reward, batch_size=len(batch))
         if metrics.pass_at_k is not None:
             sampled = self.score(batch, self.rollout(batch, self.val_sampling))

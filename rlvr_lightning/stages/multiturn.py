@@ -35,6 +35,11 @@ from rlvr_lightning.rollout.multiturn import TurnLimits, run_trajectories
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored
 
 
+NO_TOKEN_LIMIT = 10**9
+"""``max_total_tokens: null``: each model turn is bounded by ``sampling.max_new_tokens`` and each
+tool result by ``max_tool_output_chars``, the trajectory by nothing else."""
+
+
 def with_reset_text(messages: list[dict], text: str | None) -> list[dict]:
     """``messages`` with ``text`` appended to the last user message (TRL's ``reset`` rule)."""
     if not text:
@@ -120,8 +125,7 @@ def multi_turn_rollouts(
     shared = all(messages[i] == messages[i - i % g] for i in range(len(messages)))
     texts = render_prompts(tokenizer, messages[::g] if shared else messages, factory.schemas)
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    budget = options.max_total_tokens or options.max_turns * sampling.max_new_tokens
-    limits = TurnLimits(options.max_turns, budget)
+    limits = TurnLimits(options.max_turns, options.max_total_tokens or NO_TOKEN_LIMIT)
 
     def respond(rows: list[int], answers: list[str]):
         chosen = [sessions[i] for i in rows]

@@ -61,7 +61,12 @@ def score_rollouts(
     total, correct = result.total.to(rollouts.completion_ids.device), acc >= threshold
     if rollouts.conversations is not None:
         first = first_turn_correct(rewards, columns, rollouts, correct, accuracy_reward, threshold)
-        metrics = {**result.metrics, "multiturn/first_turn_accuracy": float(first.float().mean())}
+        turns = float(rollouts.turn_stats["turns"].float().mean())
+        metrics = {
+            **result.metrics,
+            "multiturn/first_turn_accuracy": float(first.float().mean()),
+            "multiturn/turns": turns,
+        }
         result = dataclasses.replace(result, metrics=metrics)
     return Scored(
         rollouts=rollouts,
