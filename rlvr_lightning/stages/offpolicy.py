@@ -99,7 +99,8 @@ def replace_rows(
     """New rollouts with rows ``rows`` replaced by the given completions, marked off-policy
     in ``offpolicy_mask`` unless ``as_on_policy`` says so for the row.
 
-    The completion width grows when a member is longer than ``T``; prompts are kept.
+    The completion width grows when a member is longer than ``T``; prompts are kept. A member
+    replacing a multi-turn trajectory is one assistant answer (no environment tokens).
     """
     old_t = rollouts.completion_ids.shape[1]
     width = max([old_t, *(len(t) for t in token_ids)])
@@ -111,18 +112,10 @@ def replace_rows(
         if rollouts.offpolicy_mask is None
         else _pad_right(rollouts.offpolicy_mask, width, 0).clone()
     )  # [N, T']
-    env = rollouts.env_mask
-    env = None if env is None else _pad_right(env, width, 0).clone()  # [N, T'] (members: 0)
     temperature, truncated = rollouts.temperature.clone(), rollouts.truncated.clone()  # [N]
     position = rollouts.position_temperature
     position = None if position is None else _pad_right(position, width, 1.0).clone()  # [N, T']
     tags, completions = list(sources_of(rollouts)), list(rollouts.completions)
-    talks = None if rollouts.conversations is None else list(rollouts.conversations)
-    stats = (
-        None
-        if rollouts.turn_stats is None
-        else {k: v.clone() for k, v in rollouts.turn_stats.items()}
-    )
     own = [False] * len(rows) if as_on_policy is None else list(as_on_policy)
     for row, tok, lp, src, temp, text, mine in zip(
         rows, token_ids, behaviour_logp, sources, temperatures, texts, own, strict=True
@@ -136,12 +129,6 @@ def replace_rows(
         temperature[row], truncated[row] = temp, False
         if position is not None:
             position[row] = temp
-        if env is not None:
-            env[row] = 0
-        if talks is not None:  # an injected member is one assistant answer
-            talks[row] = ({"role": "assistant", "content": text},)
-        for name, values in (stats or {}).items():
-            values[row] = {"turns": 1.0, "env_reward": float("nan")}.get(name, 0.0)
         tags[row], completions[row] = src, text
     return dataclasses.replace(
         rollouts,
@@ -154,10 +141,26 @@ def replace_rows(
         sources=tuple(tags),
         offpolicy_mask=off,
         position_temperature=position,
-        env_mask=env,
-        conversations=None if talks is None else tuple(talks),
-        turn_stats=stats,
+        **_single_turn_members(rollouts, rows, texts, width),
     )
+
+
+def _single_turn_members(
+    rollouts: Rollouts, rows: Sequence[int], texts: Sequence[str], width: int
+) -> dict[str, Any]:
+    """The multi-turn fields with ``rows`` made single-turn answers ``texts``: no environment
+    token, one assistant message, one turn, no tool call, no environment reward."""
+    if rollouts.env_mask is None:
+        return {}
+    env = _pad_right(rollouts.env_mask, width, 0).clone()  # [N, T']
+    talks = list(rollouts.conversations or ({},) * rollouts.num_rows)
+    stats = {k: v.clone() for k, v in (rollouts.turn_stats or {}).items()}
+    for row, text in zip(rows, texts, strict=True):
+        env[row] = 0
+        talks[row] = ({"role": "assistant", "content": text},)
+        for name, values in stats.items():
+            values[row] = {"turns": 1.0, "env_reward": float("nan")}.get(name, 0.0)
+    return {"env_mask": env, "conversations": tuple(talks), "turn_stats": stats or None}
 
 
 def select_rows(rollouts: Rollouts, rows: Sequence[int], group_size: int = 1) -> Rollouts:
