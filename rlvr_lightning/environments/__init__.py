@@ -17,7 +17,13 @@ from rlvr_lightning.environments.factory import (
 )
 from rlvr_lightning.environments.feedback import ExecutionFeedback
 from rlvr_lightning.environments.parsing import ToolCall, parse_tool_calls, parse_turn
-from rlvr_lightning.environments.session import DEFAULT_TIMEOUT_S, Session, Turn, respond_all
+from rlvr_lightning.environments.session import (
+    DEFAULT_TIMEOUT_S,
+    Session,
+    Turn,
+    arespond_all,
+    respond_all,
+)
 from rlvr_lightning.environments.tools import (
     calculator,
     template_renders_tools,
@@ -34,6 +40,7 @@ __all__ = [
     "ToolCall",
     "ToolTimeoutError",
     "Turn",
+    "arespond_all",
     "calculator",
     "environment_tools",
     "parse_tool_calls",

@@ -222,30 +222,48 @@ def respond_all(
 
     Each call (and each ``feedback``) gets ``timeout_s`` (an environment's
     ``feedback_timeout_s`` attribute raises its own feedback's); a row's calls run one after the
-    other, on its own environment, while the rows run concurrently, so no row waits on another
-    row's hanging call. Raises ``ToolTimeoutError`` only once ``max_abandoned_threads`` of a
-    tool's abandoned threads are still running.
+    other, on its own environment, while the rows run concurrently on the factory's event loop,
+    so no row waits on another row's hanging call. Raises ``ToolTimeoutError`` only once
+    ``max_abandoned_threads`` of a tool's abandoned threads are still running.
     """
+    parsed = _parse_all(sessions, texts, tokenizer, timeout_s)
+    if not sessions:
+        return []
+    budget = max(s.calls_budget_s(p, timeout_s) for s, p in zip(sessions, parsed, strict=True))
+    coro = arespond_all(sessions, texts, tokenizer, timeout_s, parsed)
+    return sessions[0].runner.run(coro, budget + LOOP_GRACE_S)
+
+
+async def arespond_all(
+    sessions: Sequence[Session],
+    texts: Sequence[str],
+    tokenizer: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    parsed: list[ParsedTurn] | None = None,
+) -> list[Turn]:
+    """:func:`respond_all` awaited on the caller's event loop (for an async turn loop); an
+    async tool that blocks without awaiting then blocks that loop. ``parsed``: the turns
+    already read by :func:`parse_turn`, else they are read here."""
+    if parsed is None:
+        parsed = _parse_all(sessions, texts, tokenizer, timeout_s)
+    rows = zip(sessions, parsed, strict=True)
+    turns = list(await asyncio.gather(*(s.answer(p, timeout_s) for s, p in rows)))
+    for session, text in zip(sessions, texts, strict=True):
+        session.texts.append(text)
+    return turns
+
+
+def _parse_all(
+    sessions: Sequence[Session], texts: Sequence[str], tokenizer: Any, timeout_s: float
+) -> list[ParsedTurn]:
+    """Check the arguments of a batch's turn and read its tool calls."""
     if len(sessions) != len(texts):
         raise ValueError(f"respond_all got {len(sessions)} sessions but {len(texts)} texts.")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0 seconds; got {timeout_s}.")
-    if not sessions:
-        return []
-    runner = sessions[0].runner
     for session in sessions:
-        if session.runner is not runner:
+        if session.runner is not sessions[0].runner:
             raise ValueError("respond_all takes the sessions of one SessionFactory at a time.")
         if session.environment is not None and session.row is None:
             raise RuntimeError("Call session.reset(row) before the session's first respond().")
-    parsed = [parse_turn(t, tokenizer, s.schemas) for s, t in zip(sessions, texts, strict=True)]
-    budget = max(s.calls_budget_s(p, timeout_s) for s, p in zip(sessions, parsed, strict=True))
-
-    async def all_rows() -> list[Turn]:
-        rows = zip(sessions, parsed, strict=True)
-        return list(await asyncio.gather(*(s.answer(p, timeout_s) for s, p in rows)))
-
-    turns = runner.run(all_rows(), budget + LOOP_GRACE_S)
-    for session, text in zip(sessions, texts, strict=True):
-        session.texts.append(text)
-    return turns
+    return [parse_turn(t, tokenizer, s.schemas) for s, t in zip(sessions, texts, strict=True)]

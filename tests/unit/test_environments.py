@@ -16,6 +16,7 @@ from rlvr_lightning.environments import (
     ExecutionFeedback,
     SessionFactory,
     ToolTimeoutError,
+    arespond_all,
     respond_all,
 )
 from rlvr_lightning.models.tiny import byte_tokenizer
@@ -372,3 +373,12 @@ def test_execution_feedback_on_code_shows_failures_not_expected_values(tokenizer
     assert "12" not in text and not wrong.done and session.reward() == 0.0
     right = session.respond("```python\ndef f(x):\n    return x + 11\n```", tokenizer)
     assert right.done and session.reward() == 1.0
+
+
+def test_arespond_all_runs_on_the_callers_loop(tokenizer) -> None:
+    factory = SessionFactory(tools=[add])
+    sessions = [factory.new(), factory.new()]
+    texts = [call("add", a=1, b=1), "no call"]
+    turns = asyncio.run(arespond_all(sessions, texts, tokenizer, timeout_s=1.0))
+    assert turns[0].messages[0]["content"] == "2" and turns[1].done
+    assert sessions[0].state_dict()["texts"] == [texts[0]]
