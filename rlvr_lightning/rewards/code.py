@@ -66,7 +66,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from rlvr_lightning.rewards.cgroup import find_parent
-from rlvr_lightning.rewards.code_judge import Check, judge_steps, plan_test, same_output
+from rlvr_lightning.rewards.code_judge import (
+    Check,
+    explain_program,
+    explain_steps,
+    judge_steps,
+    plan_test,
+    same_output,
+)
 from rlvr_lightning.rewards.sandbox import (
     SYSTEM_PATH,
     Setup,
@@ -227,12 +234,24 @@ class CodeTestsReward:
         """One pass flag per case; all False when the sandbox dies or misses its deadline."""
         return self._run(self.setup(), code, cases)
 
-    def _run(self, setup: Setup, code: str, cases: list[Case]) -> list[bool]:
+    def failures(self, code: str, cases: list[Case]) -> list[str | None]:
+        """Per case, None when it passes, else why it fails in words (execution feedback);
+        what a case expects (a compared literal, the expected stdout) never appears."""
+        plans, results = self._execute(self.setup(), code, cases)
+        return [_explain(c, p, r) for c, p, r in zip(cases, plans, results, strict=True)]
+
+    def _execute(
+        self, setup: Setup, code: str, cases: list[Case]
+    ) -> tuple[list[tuple[list[dict[str, str]], list[Check]] | None], list[dict[str, Any] | None]]:
+        """Each case's plan (None: a program) and the sandbox's result (None: not reached)."""
         plans = [plan_test(test) if test is not None else None for test, _, _ in cases]
         job = self._job(code, cases, [p[0] if p else None for p in plans], setup.namespaces)
         with self._rows:
             results = run_sandbox(setup, job, self.uid, self.timeout_s, self.memory_mb << 20)
-        results = results or [None] * len(cases)
+        return plans, results or [None] * len(cases)
+
+    def _run(self, setup: Setup, code: str, cases: list[Case]) -> list[bool]:
+        plans, results = self._execute(setup, code, cases)
         return [
             _judge(want, plan, result)
             for (_, _, want), plan, result in zip(cases, plans, results, strict=True)
@@ -331,6 +350,19 @@ def _judge(
         return result.get("exit") == 0 and same_output(str(result.get("out")), want or "")
     answers = result.get("answers")
     return isinstance(answers, list) and judge_steps(*plan, [str(a) for a in answers])
+
+
+def _explain(
+    case: Case,
+    plan: tuple[list[dict[str, str]], list[Check]] | None,
+    result: dict[str, Any] | None,
+) -> str | None:
+    """Why one case fails, in words (None: it passes); the counterpart of ``_judge``."""
+    if result is None:
+        return "did not finish (it timed out, or the sandbox died)"
+    if plan is None:
+        return explain_program(case[1], case[2] or "", result)
+    return explain_steps(*plan, [str(a) for a in result.get("answers") or []])
 
 
 @functools.cache

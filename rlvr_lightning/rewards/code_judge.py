@@ -163,3 +163,58 @@ def same_output(got: str, want: str) -> bool:
     return [s.rstrip() for s in got.strip().splitlines()] == [
         s.rstrip() for s in str(want).strip().splitlines()
     ]
+
+
+def explain_steps(steps: list[Step], checks: list[Check], answers: list[str]) -> str | None:
+    """Why a test case fails, in words, for execution feedback; None when it passes.
+
+    Only the first failing question is named. What the test expects never appears: a compared
+    value's question is shown without its literal (``f(1)`` for ``assert f(1) == 2``).
+
+    >>> steps, checks = plan_test("assert f(1) == 2")
+    >>> explain_steps(steps, checks, ['{"id": "%s", "value": ["i", "1"]}' % steps[0]["id"]])
+    '`f(1)` returned 1, which is not the expected value'
+    """
+    for i, (step, check) in enumerate(zip(steps, checks, strict=True)):
+        if i >= len(answers):
+            return f"`{step['src']}` gave no answer (the code crashed, exited or ran out of time)"
+        if not _passes(step, check, answers[i]):
+            return _why(step, check, answers[i])
+    return None
+
+
+def _why(step: Step, check: Check, line: str) -> str:
+    src = step["src"]
+    try:
+        reply = json.loads(line)
+        error = reply.get("error") if isinstance(reply, dict) else None
+    except ValueError:
+        reply, error = None, None
+    if error is not None:
+        return f"`{src}` raised {str(error)[:100]}"
+    if check.kind == "exec" or not isinstance(reply, dict):
+        return f"`{src}` did not run"
+    if check.kind == "truth":
+        return f"`assert {'not ' if check.expected is False else ''}{src}` failed"
+    try:
+        shown = repr(decode(reply.get("value")))
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        return f"`{src}` returned a value that is not plain data"
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    return f"`{src}` returned {shown}, which is not the expected value"
+
+
+def explain_program(stdin: str | None, want: str, result: dict[str, Any]) -> str | None:
+    """Why a stdin/stdout case fails, in words (never the expected output); None when it passes.
+
+    >>> explain_program("2\\n", "4", {"exit": 0, "out": "5\\n"})
+    "on input '2\\\\n' the program printed '5\\\\n', which is not the expected output"
+    """
+    given = repr(stdin or "")[:200]
+    if result.get("exit") != 0:
+        return f"on input {given} the program exited with status {result.get('exit')}"
+    out = str(result.get("out"))
+    if same_output(out, want):
+        return None
+    printed = repr(out)[:200]
+    return f"on input {given} the program printed {printed}, which is not the expected output"

@@ -39,20 +39,31 @@ class AbandonedThreads:
 
     Args:
         max_abandoned: how many abandoned threads of one function may still be running before
-            :meth:`run` raises ``RewardTimeoutError``; ``None`` never raises.
+            :meth:`run` raises ``error``; ``None`` never raises.
+        what: what the functions are, for the error (a tool's threads are counted here too).
+        error: the exception raised past ``max_abandoned``.
     """
 
-    def __init__(self, max_abandoned: int | None = 3) -> None:
+    def __init__(
+        self,
+        max_abandoned: int | None = 3,
+        what: str = "Reward function",
+        error: type[RuntimeError] = RewardTimeoutError,
+    ) -> None:
         if max_abandoned is not None and max_abandoned < 1:
             raise ValueError(
                 f"max_abandoned_threads must be >= 1 (or None for no limit); got {max_abandoned}."
             )
-        self.max_abandoned = max_abandoned
+        self.max_abandoned, self.what, self.error = max_abandoned, what, error
         self._abandoned: dict[str, list[threading.Thread]] = {}
 
     def __getstate__(self) -> dict[str, object]:
         # Threads cannot be pickled (a combiner copied with its module); a copy starts afresh.
-        return {"max_abandoned": self.max_abandoned, "_abandoned": {}}
+        return {**self.__dict__, "_abandoned": {}}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # Copies pickled before ``what`` and ``error`` existed are reward threads.
+        self.__dict__.update({"what": "Reward function", "error": RewardTimeoutError, **state})
 
     def running(self, name: str) -> int:
         """How many of ``name``'s abandoned threads are still running."""
@@ -78,18 +89,20 @@ class AbandonedThreads:
         thread.start()
         thread.join(timeout_s)
         if thread.is_alive():
-            self._abandoned.setdefault(name, []).append(thread)
-            self._check(name, timeout_s, fix)
+            self.abandon(name, thread, timeout_s, fix)
             return None
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
 
-    def _check(self, name: str, timeout_s: float, fix: str) -> None:
+    def abandon(self, name: str, thread: threading.Thread, timeout_s: float, fix: str) -> None:
+        """Count ``thread``, which ran ``name`` past ``timeout_s``, as abandoned; raise when
+        ``max_abandoned`` of ``name``'s abandoned threads are still running."""
+        self._abandoned.setdefault(name, []).append(thread)
         running = self.running(name)
         if self.max_abandoned is not None and running >= self.max_abandoned:
-            raise RewardTimeoutError(
-                f"Reward function {name!r} ran past timeout_s={timeout_s} in {running} calls "
+            raise self.error(
+                f"{self.what} {name!r} ran past timeout_s={timeout_s} in {running} calls "
                 "whose threads are still running in the trainer's process (Python cannot stop "
                 f"a thread; max_abandoned_threads={self.max_abandoned}).\n{fix}"
             )

@@ -67,6 +67,25 @@ def test_doctests() -> None:
     assert result.attempted > 0 and result.failed == 0
 
 
+def test_failures_agree_with_the_verdict_and_hide_what_is_expected(sandbox) -> None:
+    cases = [("assert f(1) == 2", None, None), ("assert f(2) == 99", None, None)]
+    cases.append(("assert g(1)", None, None))
+    failures = sandbox.failures("def f(x):\n    return x + 1", cases)
+    assert [why is None for why in failures] == sandbox.run("def f(x): return x + 1", cases)
+    assert failures == [
+        None,
+        "`f(2)` returned 3, which is not the expected value",
+        "`g(1)` raised NameError",
+    ]
+    program = [(None, "3\n", "6"), (None, "3\n", "4")]
+    assert sandbox.failures("print(int(input()) * 2)", program) == [
+        None,
+        "on input '3\\n' the program printed '6\\n', which is not the expected output",
+    ]
+    hang = sandbox.failures("while True: pass", cases[:1])
+    assert hang == ["`f(1)` gave no answer (the code crashed, exited or ran out of time)"]
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

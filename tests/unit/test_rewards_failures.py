@@ -206,3 +206,10 @@ def test_abandoned_threads_do_not_stop_a_copy(release: threading.Event) -> None:
     assert threads.running("waits") == 1
     copy = pickle.loads(pickle.dumps(threads))  # a combiner copied with its module
     assert copy.running("waits") == 0 and copy.max_abandoned == 2
+
+
+def test_a_copy_pickled_before_tools_counted_threads_still_stops(release: threading.Event) -> None:
+    old = AbandonedThreads.__new__(AbandonedThreads)
+    old.__setstate__({"max_abandoned": 1, "_abandoned": {}})  # the state pickled before
+    with pytest.raises(RewardTimeoutError, match="Reward function 'waits' ran past"):
+        old.run(release.wait, 0.05, "waits", "Fix: none")
