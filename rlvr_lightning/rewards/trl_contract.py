@@ -111,9 +111,7 @@ def conversational_rows(prompts: Sequence[object] | None, n: int) -> list[bool]:
     return [isinstance(p, list) for p in prompts]
 
 
-def as_completions(
-    texts: Sequence[Completion], conversational: Sequence[bool]
-) -> list[Completion]:
+def as_completions(texts: Sequence[Completion], conversational: Sequence[bool]) -> list[Completion]:
     """The completions as a reward receives them: TRL's one-message list for a conversational
     row, the text itself otherwise; a multi-turn trajectory (already a message list) stays
     one, whatever the prompt."""

@@ -135,6 +135,8 @@ def _environment_turns(
         row = rows[i]
         row.tool_calls += turn.tool_calls
         row.tool_errors += turn.tool_errors
+        if getattr(turn, "assistant", None):  # the turn as TRL's message (with tool_calls)
+            row.conversation[-1] = dict(turn.assistant)
         if turn.done or not turn.messages:
             row.done = True
             continue

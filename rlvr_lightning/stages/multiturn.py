@@ -34,7 +34,6 @@ from rlvr_lightning.rollout.base import RolloutEngine
 from rlvr_lightning.rollout.multiturn import TurnLimits, run_trajectories
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored
 
-
 NO_TOKEN_LIMIT = 10**9
 """``max_total_tokens: null``: each model turn is bounded by ``sampling.max_new_tokens`` and each
 tool result by ``max_tool_output_chars``, the trajectory by nothing else."""

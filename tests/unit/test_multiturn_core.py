@@ -104,7 +104,7 @@ def test_concatenated_turns_equal_the_templates_whole_conversation(template) -> 
         if pending:
             ids += between_turns(tok, text, True, pending)
             pending = []
-        ids += tok(content, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        ids += [*tok(content, add_special_tokens=False).input_ids, tok.eos_token_id]
     whole = prompt + [{"role": r, "content": c} for r, c in turns]
     rendered = tok.apply_chat_template(whole, tokenize=False)
     expected = tok(rendered, add_special_tokens=False).input_ids
@@ -248,3 +248,79 @@ def test_single_turn_rollouts_keep_loss_mask_equal_to_completion_mask() -> None:
     _, _, r, _, _ = _trajectories(max_turns=1)
     plain = dataclasses.replace(r, env_mask=None)
     assert torch.equal(plain.loss_mask, plain.completion_mask)
+
+
+def hangs(seconds: int) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long.
+    """
+    import time
+
+    time.sleep(seconds)
+    return "late"
+
+
+def raises(x: int) -> str:
+    """Always fails.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError("broken tool")
+
+
+def floods(x: int) -> str:
+    """Returns a megabyte.
+
+    Args:
+        x: anything.
+    """
+    return "y" * 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        ("<tool_call>{not json</tool_call>", "not valid JSON"),
+        ('<tool_call>{"name": "raises", "arguments": {"x": 1}}</tool_call>', "broken tool"),
+        ('<tool_call>{"name": "hangs", "arguments": {"seconds": 30}}</tool_call>', "timed out"),
+        ('<tool_call>{"name": "floods", "arguments": {"x": 1}}</tool_call>', "truncated"),
+    ],
+    ids=["malformed", "raises", "hangs", "1MB"],
+)
+def test_a_bad_tool_call_is_a_counted_error_and_the_trajectory_goes_on(answer, error) -> None:
+    import time
+
+    from rlvr_lightning.environments import SessionFactory, respond_all
+
+    tok = byte_tokenizer()
+    tok.padding_side = "left"
+    factory = SessionFactory(tools=[hangs, raises, floods], max_tool_output_chars=200)
+    sessions = [factory.new() for _ in range(2)]
+    for s in sessions:
+        s.reset({})
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "go"}], add_generation_prompt=True, tokenize=False
+    )
+    enc = tok([text], return_tensors="pt", add_special_tokens=False)
+
+    def respond(rows, texts):
+        return respond_all([sessions[i] for i in rows], texts, tok, timeout_s=0.5)
+
+    start = time.perf_counter()
+    r = run_trajectories(
+        _ScriptedEngine(tok, answer),
+        tok,
+        (enc.input_ids, enc.attention_mask),
+        Sampling(max_new_tokens=200, group_size=2),
+        respond,
+        TurnLimits(max_turns=2, max_total_tokens=4000),
+    )
+    assert time.perf_counter() - start < 10  # a hanging call costs its timeout, not 30 s
+    assert r.turn_stats["tool_errors"].tolist() == [1.0, 1.0]
+    assert (r.turn_stats["turns"] == 2).all()  # the model got the error and answered again
+    tool_message = r.conversations[0][1]
+    assert tool_message["role"] == "tool" and error in tool_message["content"]
+    assert len(tool_message["content"]) < 400
