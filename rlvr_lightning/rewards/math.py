@@ -8,6 +8,7 @@ apply to (here: a row without a gold answer).
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Sequence
@@ -164,6 +165,19 @@ def _as_number(text: str) -> Fraction | None:
         return Fraction(cleaned)
     except (ValueError, ZeroDivisionError):
         return None
+
+
+class _KnownTimeoutNotice(logging.Filter):
+    """Drops math-verify's "Timeout is disabled" warning, which it logs on every call made off
+    the main thread: there the bound is the caller's own timeout (said in ``_symbolic_match``),
+    and the warning would fill a run's console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_KnownTimeoutNotice())
 
 
 def _symbolic_match(pred: str, gold: str) -> bool:

@@ -55,7 +55,17 @@ def fit(c, ckpt_path: Path | None = None):
 # ---- 1. shipped configs save periodically, on signals, and keep the last K -------------------
 
 
-@pytest.mark.parametrize("name", ["quickstart", "replay", "curriculum", "mixed_policy_guidance"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quickstart",
+        "replay",
+        "curriculum",
+        "mixed_policy_guidance",
+        "execution_feedback",
+        "tool_calculator",
+    ],
+)
 def test_shipped_configs_save_every_n_steps_on_exception_and_keep_the_last_k(name):
     config = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     (cb,) = [
