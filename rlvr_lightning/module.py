@@ -153,6 +153,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         frozen = o.loss.kl_coef > 0 and o.lora.rank == 0
         self._reference = (models.frozen_copy(self.policy),) if frozen else ()
         self.updater = build.policy_update(preset, o, self.sampling)
+        self._sessions = build.session_factory(o.multiturn)
 
     @property
     def reference(self) -> torch.nn.Module | None:

@@ -89,7 +89,15 @@ class SessionFactory:
 
     def _instance(self) -> object:
         assert self.environment_factory is not None
-        environment = self.environment_factory()
+        try:
+            environment = self.environment_factory()
+        except TypeError as error:  # a tool function or a class needing arguments
+            name = getattr(self.environment_factory, "__qualname__", self.environment_factory)
+            raise ValueError(
+                f"environment_factory {name} must build an environment without arguments "
+                f"(calling it failed: {error}). Pass the environment's class (or a function "
+                "returning an instance); plain tool functions go in tools."
+            ) from error
         if not callable(getattr(environment, "reset", None)):
             raise ValueError(
                 f"The environment {type(environment).__name__} returned by environment_factory "

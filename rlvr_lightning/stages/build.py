@@ -10,9 +10,10 @@ from typing import Any
 from rlvr_lightning import models
 from rlvr_lightning.algorithms.outcomes import InformativeBy
 from rlvr_lightning.algorithms.presets import Preset
+from rlvr_lightning.environments import SessionFactory
 from rlvr_lightning.heads import ProbeHead, ValueHead
 from rlvr_lightning.models.dropout import disable_dropout
-from rlvr_lightning.options import LoRA, Options, Rewards, Selection
+from rlvr_lightning.options import LoRA, MultiTurn, Options, Rewards, Selection
 from rlvr_lightning.rewards import OverlongPenalty, RewardCombiner, boxed_accuracy, boxed_format
 from rlvr_lightning.stages.update import PolicyUpdate
 from rlvr_lightning.types import Sampling
@@ -205,3 +206,15 @@ def accuracy_reward_name(requested: str | None, names: Sequence[str]) -> str:
             f"rewards.accuracy_reward={requested!r} is not one of the reward names {names}."
         )
     return name
+
+
+def session_factory(options: MultiTurn) -> SessionFactory | None:
+    """The multi-turn tools and environment (one environment built now, to check it), or None
+    for single-turn rollouts."""
+    if not options.enabled:
+        return None
+    return SessionFactory(
+        tools=list(options.tools or ()),
+        environment_factory=options.environment,
+        max_tool_output_chars=options.max_tool_output_chars,
+    )

@@ -30,18 +30,14 @@ class GenerationStage(pl.LightningModule):
     """The rollout engine of ``RLVRModule`` and the ``rollout`` stage."""
 
     _warned_flattened = False  # chat prompts met a tokenizer without a template (set once)
-    _sessions: SessionFactory | None = None
+    _sessions: SessionFactory | None = None  # multi-turn tools and environment (stages.build)
 
     @property
     def sessions(self) -> SessionFactory:
-        """The tools and environment of multi-turn rollouts (``multiturn`` options), built once."""
+        """The tools and environment of multi-turn rollouts, built with the module (so a bad
+        environment fails before any model work)."""
         if self._sessions is None:
-            mt = self.options.multiturn
-            self._sessions = SessionFactory(
-                tools=list(mt.tools or ()),
-                environment_factory=mt.environment,
-                max_tool_output_chars=mt.max_tool_output_chars,
-            )
+            raise RuntimeError("Multi-turn rollouts need multiturn.tools or .environment.")
         return self._sessions
 
     @property

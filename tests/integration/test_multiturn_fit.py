@@ -157,3 +157,38 @@ def test_a_multi_turn_run_resumed_mid_run_is_bit_identical(tmp_path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _fit_stops(capsys, *args: str) -> str:
+    """``rlvr-lightning fit`` on the tiny config stops with exit 1 in a few lines, no traceback."""
+    from rlvr_lightning.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", CONFIG, *args])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    err = err[err.index("rlvr-lightning fit: error") :]
+    assert "Traceback" not in err and len(err.splitlines()) < 6, err
+    return err
+
+
+def test_cli_refuses_turns_nobody_answers(capsys) -> None:
+    err = _fit_stops(capsys, "--model.init_args.multiturn.max_turns=3")
+    assert "no tools or environment" in err and "max_turns: 1" in err
+
+
+def test_cli_refuses_a_tool_given_as_the_environment_before_training(capsys) -> None:
+    env = "--model.init_args.multiturn.environment=rlvr_lightning.environments.calculator"
+    err = _fit_stops(capsys, env)
+    assert "without arguments" in err and "tools" in err
+
+
+def test_the_model_card_names_tools_environment_and_turns() -> None:
+    from rlvr_lightning.hub.card_multiturn import multiturn_line
+
+    assert multiturn_line({"max_turns": 1}) is None
+    line = multiturn_line(
+        {"tools": ["rlvr_lightning.environments.calculator"], "environment": Counter,
+         "max_turns": 4}
+    )  # fmt: skip
+    assert line == "up to 4 model turns per trajectory; tools: `calculator`; environment: `Counter`"
