@@ -1,4 +1,4 @@
-"""fp32 linear layers through oneDNN on the CPU.
+"""fp32 linear layers through oneDNN on the CPU, where measured faster than torch's own.
 
 torch runs an fp32 matmul on the CPU with MKL's sgemm. On this project's machine (AMD EPYC,
 AVX-512) that reaches 195-230 GFLOP/s, where oneDNN's fp32 kernels, the ones torch's own
@@ -8,6 +8,12 @@ fp16 matmuls go to oneDNN already. :func:`install` routes a model's plain ``nn.L
 through :func:`linear`, which uses oneDNN only for fp32 tensors on the CPU outside autocast
 and ``F.linear`` otherwise; the results are fp32 products summed in another order (they agree
 with ``F.linear`` to fp32 rounding, not bit for bit).
+
+Which one runs is measured (``fast_paths``, path ``"linear"`` in fp32): torch's own products
+(the reference) against oneDNN's on the prepared model's linear shapes at ``MEASURE_TOKENS``
+rows, the forward and both backward products, each shape counted once per layer. On a CPU
+where MKL's sgemm is as fast (measured on an Intel Xeon with AMX: the gap closes), torch's
+path stays.
 """
 
 from __future__ import annotations
@@ -19,6 +25,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from rlvr_lightning.device import fast_paths
+
+# Rows of the products timed when choosing (this project's choice: an eighth of a 16-row
+# micro-batch of 64-token completions, so that the timing costs well under a second).
+MEASURE_TOKENS = 128
 
 
 @functools.cache
@@ -54,7 +66,8 @@ def disabled() -> Iterator[None]:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes the oneDNN path for these operands. :func:`available` (which
+    """Whether :func:`linear` takes the oneDNN path for these operands (fp32 on the CPU outside
+    autocast, and measured faster: ``fast_paths``). :func:`available` (which
     runs oneDNN once) is asked only for fp32 CPU work: a first fp32 oneDNN call changes how
     later bf16 matmuls run (measured: other bf16 results, +0.15 GiB peak in ``vs_trl.py``), so
     a bf16 run never makes one."""
@@ -65,6 +78,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
         and available()
+        and fast_paths.choice("linear", torch.float32) == "onednn"
     )
 
 
@@ -125,3 +139,21 @@ def install(model: nn.Module) -> int:
             module.forward = functools.partial(_forward, module)
             switched += 1
     return switched
+
+
+def _trial(shapes: fast_paths.ModelShapes, dtype: torch.dtype) -> fast_paths.Trial:
+    """torch's products against oneDNN's on each linear shape: ``x W^T``, ``g W``, ``g^T x``."""
+    gen = torch.Generator().manual_seed(0)
+    m, pieces = MEASURE_TOKENS, []
+    for k, n, count in shapes.linears:
+        x, w, g = (torch.randn(*s, generator=gen).to(dtype) for s in ((m, k), (n, k), (m, n)))
+        works = {
+            "torch": lambda x=x, w=w, g=g: (x @ w.t(), g @ w, g.t() @ x),
+            "onednn": lambda x=x, w=w, g=g: (mm_nt(x, w), mm_nt(g, w.t()), mm_nt(g.t(), x.t())),
+        }
+        pieces.append((float(count), works))
+    # fp32 sums of <= a few thousand products in another order differ by ~1e-6 relative.
+    return fast_paths.Trial(tolerance=1e-4, pieces=pieces)
+
+
+fast_paths.register("linear", "torch", _trial)

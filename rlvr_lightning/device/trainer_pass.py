@@ -81,5 +81,3 @@ def trainer_forward(
     finally:
         model.train(was_training)
     return TrainerPass(out, values, features)
-
-
