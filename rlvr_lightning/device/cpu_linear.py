@@ -110,15 +110,65 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear(x, weight, bias)``; through oneDNN when :func:`usable`."""
+    """``F.linear(x, weight, bias)``; through oneDNN when :func:`usable` (fp32) or on a
+    packed weight (:func:`packed_weights`, low precision without grad)."""
     if not usable(x, weight):
-        return F.linear(x, weight, bias)
+        packed = _prepacked(x, weight, bias) if _packing["dtype"] is not None else None
+        return F.linear(x, weight, bias) if packed is None else packed
     if not torch.is_grad_enabled() or not (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         flat = x.reshape(-1, x.shape[-1])
         return mm_nt(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return _Linear.apply(x, weight, bias)
+
+
+# No-grad products in bf16/fp16 while the weights are fixed (``packed_weights``): torch's matmul
+# (oneDNN's, which reorders the weight into its blocked layout on every call) or oneDNN's linear
+# kernel on a weight reordered once per block (``prepacked``), as measured (``NOGRAD_PATH``).
+NOGRAD_PATH = "linear.nograd"
+PACK_ROWS = 64  # the row count oneDNN prepares a packed weight for: decoding's 8 x 8 rows
+_packing: dict[str, object] = {"dtype": None, "weights": {}}
+
+
+@contextmanager
+def packed_weights(dtype: torch.dtype) -> Iterator[None]:
+    """Within: no-grad products computed in ``dtype`` (autocast's) may use a copy of each weight
+    packed once for oneDNN, where measured faster. The weights must not change inside (a
+    weight modified in place is packed again, by its version counter)."""
+    saved = dict(_packing)
+    _packing.update(dtype=dtype, weights={})
+    try:
+        yield
+    finally:
+        _packing.clear()
+        _packing.update(saved)
+
+
+def _prepacked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``F.linear`` under autocast without grad, on a packed copy of ``weight``; None where
+    this route does not apply (outside ``packed_weights``, another dtype, not chosen)."""
+    dtype = _packing["dtype"]
+    if (
+        dtype is None
+        or torch.is_grad_enabled()
+        or x.device.type != "cpu"
+        or not torch.is_autocast_enabled("cpu")
+        or torch.get_autocast_dtype("cpu") != dtype
+        or not available()
+        or fast_paths.choice(NOGRAD_PATH, dtype) != "prepacked"
+    ):
+        return None
+    store = _packing["weights"]
+    version, packed = store.get(id(weight), (None, None))
+    if version != weight._version:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), PACK_ROWS)
+        store[id(weight)] = (weight._version, packed)
+    flat = x.reshape(-1, x.shape[-1]).to(dtype)  # [m, k]
+    b = None if bias is None else bias.to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, b, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -156,4 +206,26 @@ def _trial(shapes: fast_paths.ModelShapes, dtype: torch.dtype) -> fast_paths.Tri
     return fast_paths.Trial(tolerance=1e-4, pieces=pieces)
 
 
+def _nograd_trial(shapes: fast_paths.ModelShapes, dtype: torch.dtype) -> fast_paths.Trial:
+    """torch's low-precision product against oneDNN's on a packed weight, ``PACK_ROWS`` rows
+    (packing is not timed: it happens once per block of decoding steps)."""
+    if not available() or dtype == torch.float32:
+        return fast_paths.Trial(tolerance=0.0, pieces=[])
+    gen = torch.Generator().manual_seed(0)
+    pieces = []
+    for k, n, count in shapes.linears:
+        x, w = (torch.randn(*s, generator=gen).to(dtype) for s in ((PACK_ROWS, k), (n, k)))
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        works = {
+            "torch": lambda x=x, w=w: (x @ w.t(),),
+            "prepacked": lambda x=x, p=packed: (
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+            ),
+        }
+        pieces.append((float(count), works))
+    # Both accumulate in fp32 and round once to bf16/fp16: ~1 unit of the last place apart.
+    return fast_paths.Trial(tolerance=1e-2, pieces=pieces)
+
+
 fast_paths.register("linear", "torch", _trial)
+fast_paths.register(NOGRAD_PATH, "torch", _nograd_trial)
