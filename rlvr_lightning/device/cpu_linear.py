@@ -12,8 +12,11 @@ with ``F.linear`` to fp32 rounding, not bit for bit).
 Which one runs is measured (``fast_paths``, path ``"linear"`` in fp32): torch's own products
 (the reference) against oneDNN's on the prepared model's linear shapes at ``MEASURE_TOKENS``
 rows, the forward and both backward products, each shape counted once per layer. On a CPU
-where MKL's sgemm is as fast (measured on an Intel Xeon with AMX: the gap closes), torch's
-path stays.
+where MKL's sgemm is as fast (issue 40's Intel Xeon made TRL's MKL-bound fp32 step 1.3x
+faster than this AMD CPU did), torch's path stays. bf16/fp16 products with autograd stay on
+torch's matmul, which is oneDNN's bf16 matmul already (bit-equal to ``_linear_pointwise`` in
+bf16, measured here) and uses AVX512-BF16 or AMX where the CPU has them; no-grad ones may use
+packed weights (:func:`packed_weights`).
 """
 
 from __future__ import annotations
