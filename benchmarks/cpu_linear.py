@@ -156,13 +156,14 @@ def _measurement_line() -> None:
     """What ``fast_paths`` measures for the linear choice on the embedded shapes, and its cost."""
     start = time.perf_counter()
     trial = cpu_linear._trial(EMBEDDED, torch.float32)
-    seconds, errors = fast_paths.run_trial(trial, "torch")
+    seconds, errors, steady = fast_paths.run_trial(trial, "torch")
     choice = fast_paths.select("torch", seconds, errors, trial.tolerance)
     cost = time.perf_counter() - start
     times = ", ".join(f"{n} {s * 1e3:.0f} ms" for n, s in seconds.items())
     print(
         f"\nfast path linear/float32 on the embedded shapes ({cpu_linear.MEASURE_TOKENS} rows, "
         f"30 layers): {times} -> {choice}; measuring took {cost:.2f} s"
+        + ("" if steady else " (unsteady timings: a run would not cache this choice)")
     )
 
 

@@ -21,12 +21,14 @@ library update) may take different paths and get results that differ in the last
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import os
 import platform
 import re
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -50,6 +52,9 @@ REPS = 2  # timed runs per candidate (the best counts), after one untimed run
 # Short pieces run more often, up to MAX_REPS, until each candidate had this much time: a
 # sub-millisecond kernel timed twice on a shared machine can lose both runs to a stall.
 PIECE_SECONDS, MAX_REPS = 0.02, 25
+# Timings whose median run is over this many times the best are not cached: a busy machine
+# (other processes taking the cores) stalls small kernels by 10-100x (this project's choice).
+STEADY_RATIO = 2.0
 FORMAT = 1  # part of the cache key: bump when a measurer changes what it times
 
 
@@ -171,7 +176,11 @@ def summary() -> str:
     """One line for logs and model cards, e.g. ``linear/float32 onednn (measured)``."""
     if not _made:
         return "none chosen"
-    return ", ".join(f"{key} {d.choice} ({d.source.split(' in ')[0]})" for key, d in _made.items())
+
+    def how(source: str) -> str:
+        return source.split(" in ")[0] + (", unsteady" if "unsteady" in source else "")
+
+    return ", ".join(f"{key} {d.choice} ({how(d.source)})" for key, d in _made.items())
 
 
 @contextmanager
@@ -213,10 +222,12 @@ def _decide(path: str, dtype: torch.dtype) -> Decision:
     trial = measurer(shapes, dtype)
     if not trial.pieces:
         return Decision(reference, reference, source="nothing to measure")
-    seconds, errors = run_trial(trial, reference)
+    seconds, errors, steady = run_trial(trial, reference)
     picked = select(reference, seconds, errors, trial.tolerance)
     cost = time.perf_counter() - start
     made = Decision(picked, reference, seconds, errors, f"measured in {cost:.2f} s")
+    if not steady:  # e.g. a busy machine: this run uses it, the next one measures again
+        return dataclasses.replace(made, source=made.source + ", unsteady: not cached")
     write_cache(key, made)
     return made
 
@@ -228,31 +239,34 @@ def timer(work: Work, name: str) -> float:
     return time.perf_counter() - start
 
 
-def run_trial(trial: Trial, reference: str) -> tuple[dict[str, float], dict[str, float]]:
-    """Each candidate's weighted time and largest relative difference from ``reference``."""
+def run_trial(trial: Trial, reference: str) -> tuple[dict[str, float], dict[str, float], bool]:
+    """Each candidate's weighted time, its largest relative difference from ``reference``, and
+    whether the timings were steady (every candidate's median run within ``STEADY_RATIO`` of
+    its best, in every piece)."""
     names = list(trial.pieces[0][1])
     seconds, errors = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    steady = True
     with torch.inference_mode(False), torch.autocast("cpu", enabled=False):
         for weight, works in trial.pieces:
             outputs = {name: work() for name, work in works.items()}  # untimed first run
             for name in names:
                 errors[name] = max(errors[name], _difference(outputs[name], outputs[reference]))
-            for name, best in _best_times(works).items():
-                seconds[name] += weight * best
-    return seconds, errors
+            for name, runs in _timed_runs(works).items():
+                seconds[name] += weight * min(runs)
+                steady = steady and statistics.median(runs) <= STEADY_RATIO * min(runs)
+    return seconds, errors, steady
 
 
-def _best_times(works: Mapping[str, Work]) -> dict[str, float]:
-    """Each candidate's best time; candidates alternate, in turned order every other rep."""
+def _timed_runs(works: Mapping[str, Work]) -> dict[str, list[float]]:
+    """Each candidate's timed runs; candidates alternate, in turned order every other rep."""
     names = list(works)
-    best, spent = dict.fromkeys(names, float("inf")), dict.fromkeys(names, 0.0)
+    runs: dict[str, list[float]] = {name: [] for name in names}
     rep = 0
-    while rep < REPS or (rep < MAX_REPS and min(spent.values()) < PIECE_SECONDS):
+    while rep < REPS or (rep < MAX_REPS and min(map(sum, runs.values())) < PIECE_SECONDS):
         for name in names if rep % 2 == 0 else names[::-1]:
-            took = timer(works[name], name)
-            best[name], spent[name] = min(best[name], took), spent[name] + took
+            runs[name].append(timer(works[name], name))
         rep += 1
-    return best
+    return runs
 
 
 def _difference(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:

@@ -117,6 +117,16 @@ def test_the_cache_is_read_back_and_measured_again_when_the_key_changes(monkeypa
     assert measured == [1, 1, 1]
 
 
+def test_unsteady_timings_are_used_but_not_cached(monkeypatch, fresh):
+    _toy_path(monkeypatch, {"ref": 1.0, "fast": 1.0})
+    stalls = iter([0.030, 0.010, 0.010, 0.300] * 10)  # the reference's second run stalls 10x
+    monkeypatch.setattr(fast_paths, "timer", lambda work, name: next(stalls))
+    assert fast_paths.choice("toy", torch.float32) == "fast"  # best 10 ms against 30 ms
+    assert "unsteady: not cached" in fast_paths.chosen()["toy/float32"].source
+    assert not (Path(fresh) / fast_paths.CACHE_FILE).exists()
+    assert fast_paths.summary() == "toy/float32 fast (measured, unsteady)"
+
+
 def test_an_unreadable_cache_is_measured_again(monkeypatch, fresh):
     (Path(fresh) / fast_paths.CACHE_FILE).write_text("{not json")
     measured = _toy_path(monkeypatch, {"ref": 1.0})
