@@ -108,6 +108,9 @@ Measurer = Callable[[ModelShapes, torch.dtype], Trial]
 
 @dataclass(frozen=True)
 class Decision:
+    """A path's choice, its reference, each candidate's weighted seconds and relative error,
+    and how it was made (``measured in 0.21 s``, ``cached``, ``RLVR_FAST_PATHS=reference``)."""
+
     choice: str
     reference: str
     seconds: dict[str, float] = field(default_factory=dict)
@@ -219,10 +222,13 @@ def _decide(path: str, dtype: torch.dtype) -> Decision:
     if entry is not None:
         return Decision(**{**entry, "source": "cached"})
     start = time.perf_counter()
-    trial = measurer(shapes, dtype)
-    if not trial.pieces:
-        return Decision(reference, reference, source="nothing to measure")
-    seconds, errors, steady = run_trial(trial, reference)
+    try:
+        trial = measurer(shapes, dtype)
+        if not trial.pieces:
+            return Decision(reference, reference, source="nothing to measure")
+        seconds, errors, steady = run_trial(trial, reference)
+    except (RuntimeError, NotImplementedError) as err:  # a kernel this build or CPU lacks
+        return Decision(reference, reference, source=f"measurement failed ({err}): not cached")
     picked = select(reference, seconds, errors, trial.tolerance)
     cost = time.perf_counter() - start
     made = Decision(picked, reference, seconds, errors, f"measured in {cost:.2f} s")

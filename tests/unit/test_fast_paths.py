@@ -127,6 +127,17 @@ def test_unsteady_timings_are_used_but_not_cached(monkeypatch, fresh):
     assert fast_paths.summary() == "toy/float32 fast (measured, unsteady)"
 
 
+def test_a_candidate_that_raises_leaves_the_reference(monkeypatch, fresh):
+    def broken(shapes, dtype):
+        raise RuntimeError("no such kernel on this CPU")
+
+    monkeypatch.setitem(fast_paths._registry, "toy", ("ref", broken))
+    fast_paths.use_shapes(SHAPES)
+    assert fast_paths.choice("toy", torch.float32) == "ref"
+    assert "no such kernel" in fast_paths.chosen()["toy/float32"].source
+    assert not (Path(fresh) / fast_paths.CACHE_FILE).exists()
+
+
 def test_an_unreadable_cache_is_measured_again(monkeypatch, fresh):
     (Path(fresh) / fast_paths.CACHE_FILE).write_text("{not json")
     measured = _toy_path(monkeypatch, {"ref": 1.0})
