@@ -81,3 +81,5 @@ def trainer_forward(
     finally:
         model.train(was_training)
     return TrainerPass(out, values, features)
+
+
