@@ -51,7 +51,7 @@ MIN_GAIN = 0.05
 REPS = 2  # timed runs per candidate (the best counts), after one untimed run
 # Short pieces run more often, up to MAX_REPS, until each candidate had this much time: a
 # sub-millisecond kernel timed twice on a shared machine can lose both runs to a stall.
-PIECE_SECONDS, MAX_REPS = 0.02, 25
+PIECE_SECONDS, MAX_REPS = 0.01, 25
 # Timings whose median run is over this many times the best are not cached: a busy machine
 # (other processes taking the cores) stalls small kernels by 10-100x (this project's choice).
 STEADY_RATIO = 2.0

@@ -86,7 +86,7 @@ def test_a_slower_candidate_leaves_the_reference(monkeypatch):
     _toy_path(monkeypatch, {"ref": 1.0, "slow": 1.0})
     calls = _mock_times(monkeypatch, {"ref": 0.010, "slow": 0.011})
     assert fast_paths.choice("toy", torch.float32) == "ref"
-    # Mock runs are 10-11 ms: they repeat until each candidate had PIECE_SECONDS (20 ms).
+    # Mock runs of 10-11 ms: REPS (2) runs each give every candidate its PIECE_SECONDS (10 ms).
     assert calls.count("ref") == calls.count("slow") == 2
     assert fast_paths.choice("toy", torch.float32) == "ref"  # decided once per process
     assert len(calls) == 4
