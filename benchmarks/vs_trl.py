@@ -210,8 +210,20 @@ def run_rlvr(args: argparse.Namespace, engine: str) -> None:
         "rlvr" if engine == "hf" else "rlvr-vllm",
         ends,
         args.warmup,
-        {"mean_completion_len": lengths, "stages": stages},
+        {"mean_completion_len": lengths, "stages": stages, "fast_paths": _fast_paths()},
     )
+
+
+def _fast_paths() -> dict[str, str]:
+    """The fast paths this worker ran with: choice, how it was made, each candidate's time."""
+    from rlvr_lightning.device import fast_paths
+
+    return {
+        key: f"{d.choice} ({d.source}; "
+        + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in d.seconds.items())
+        + ")"
+        for key, d in fast_paths.chosen().items()
+    }
 
 
 # ---- driver ----------------------------------------------------------------------------------
@@ -286,6 +298,10 @@ def _summary(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]])
             f"{s:<10} {m['median_step_s']:>14.2f} {m['median_peak_rss_gb']:>13.2f} "
             f"{m['mean_completion_len']:>9.1f}"
         )
+    for s, rs in results.items():
+        for r in rs[:1]:  # the same machine and cache: every rep reads the same choices
+            for key, text in r.get("fast_paths", {}).items():
+                print(f"{s} fast path {key}: {text}")
     if "trl" in summary:
         base = summary["trl"]
         for s, m in summary.items():

@@ -2,9 +2,11 @@
 
 ``prepare_model(model, device_type)`` is the only way a fast path reaches a model: on the CPU
 it installs grouped-query attention as two matmuls (``attention``), the lean RMSNorm/SwiGLU
-(``lean_layers``) and fp32 products through oneDNN (``cpu_linear``); on any other device it
-leaves (or puts back) the model as transformers built it. Everything outside this package
-imports from this face only, never a kernel module: the forward for log-probs
+(``lean_layers``) and fp32 products through oneDNN (``cpu_linear``); the attention and product
+routes run where they were measured faster on this machine and the model's shapes
+(``fast_paths``: :func:`fast_path_choices`, ``RLVR_FAST_PATHS=reference`` turns them off). On
+any other device it leaves (or puts back) the model as transformers built it. Everything
+outside this package imports from this face only, never a kernel module: the forward for log-probs
 (``completion_forward``: chunked LM head, shared prompt passes), the trainer's no-grad pass,
 weight casting under autocast and heap trimming.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rlvr_lightning.device import attention, cpu_linear, lean_layers
+from rlvr_lightning.device import attention, cpu_linear, fast_paths, lean_layers
 from rlvr_lightning.device.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
 from rlvr_lightning.device.decode_head import fp32_head_by_blocks, head_by_blocks
 from rlvr_lightning.device.forward import (
@@ -39,6 +41,8 @@ __all__ = [
     "cache_kwarg",
     "completion_forward",
     "completion_logprobs",
+    "fast_path_choices",
+    "fast_path_summary",
     "fp32_head_by_blocks",
     "fused_head",
     "group_microbatches",
@@ -58,21 +62,35 @@ _PREPARED = "_rlvr_prepared_for"
 def prepare_model(model: nn.Module, device_type: str = "cpu") -> nn.Module:
     """Make ``model`` fast on ``device_type`` (in place; returns it). Idempotent.
 
-    CPU: grouped attention for SDPA models, lean decoder layers, oneDNN fp32 products (each
-    checks its own values against the original and falls back where it cannot apply). Any
+    CPU: lean decoder layers (each checks its own values against the original and falls back
+    where it cannot apply), and the routes to grouped attention and oneDNN fp32 products,
+    which take them where ``fast_paths`` measured them faster on this model's shapes (at the
+    first call in each dtype; with ``RLVR_FAST_PATHS=reference`` no route is installed). Any
     other device: the model as transformers built it (what a CPU preparation installed is
     removed: the instance forwards and the attention implementation).
     """
     if getattr(model, _PREPARED, None) == device_type:
         return model
     if device_type == "cpu":
-        attention.prefer_grouped(model)  # SDPA's CPU kernels are slow at RL's shapes
         lean_layers.install(model)  # the update keeps less for the backward
-        cpu_linear.install(model)  # fp32 products through oneDNN (2x MKL on some CPUs)
+        if fast_paths.mode() == "measure":
+            fast_paths.use_shapes(fast_paths.ModelShapes.of(model))
+            attention.prefer_grouped(model)  # the matmuls where faster than SDPA (measured)
+            cpu_linear.install(model)  # fp32 products through oneDNN where faster (measured)
     else:
         _unprepare(model)
     object.__setattr__(model, _PREPARED, device_type)
     return model
+
+
+def fast_path_choices() -> dict[str, str]:
+    """The fast paths chosen so far in this process, ``{"linear/float32": "onednn", ...}``."""
+    return {key: made.choice for key, made in fast_paths.chosen().items()}
+
+
+def fast_path_summary() -> str:
+    """The choices in one line (logs, model cards), with how each was made."""
+    return fast_paths.summary()
 
 
 def _unprepare(model: nn.Module) -> None:

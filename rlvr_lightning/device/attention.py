@@ -22,6 +22,12 @@ position biases, dropout in training), and when the score matrix of a layer woul
 autograd recording it keeps only ``q``, ``k``, ``v`` and the mask and recomputes the weights in
 the backward (``_Attention``), as SDPA's kernels do: a 16-row update micro-batch of the embedded
 model in bf16 otherwise kept ~130 MB of fp32 weights and their bf16 copies.
+
+Those numbers hold for that CPU. Which path runs is measured per dtype (``fast_paths``): path
+``"attention"`` (prefill and update, a forward and backward of ``MEASURE_ROWS`` causal rows of
+``MEASURE_LENGTH`` tokens) and ``"attention.decode"`` (one query per row, ``DECODE_ROWS`` rows
+reading ``MEASURE_LENGTH`` keys, some padded), each on the prepared model's heads, SDPA being
+the reference: on a CPU whose SDPA kernels are fast (e.g. with AMX) SDPA stays.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rlvr_lightning.device import fast_paths
+
 NAME = "rlvr_grouped"
+PATH, DECODE_PATH = "attention", "attention.decode"  # fast_paths' names: Q > 1, one query
 
 # Largest score matrix (rows x query heads x queries x keys) computed as matmuls; above it,
 # SDPA. 2**21 fp32 scores are 8 MiB: this project's choice, so that the update of a 64-row
@@ -66,9 +75,10 @@ def grouped_attention(
     b, h, q_len, d = query.shape
     k_heads, kv_len = key.shape[1], key.shape[2]
     autocast = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu") if autocast else query.dtype
     plain = (
         query.device.type == "cpu"
-        and (torch.get_autocast_dtype("cpu") if autocast else query.dtype) in MATMUL_DTYPES
+        and dtype in MATMUL_DTYPES
         and not any(kwargs.get(name) is not None for name in _UNSUPPORTED)
         and not (dropout > 0 and module.training)
         and h % k_heads == 0
@@ -76,12 +86,26 @@ def grouped_attention(
         and (attention_mask is None or attention_mask.dtype == torch.bool)
         and (attention_mask is not None or q_len == 1 or q_len == kv_len)
     )
-    if not plain:
+    path = DECODE_PATH if q_len == 1 else PATH
+    if not plain or fast_paths.choice(path, dtype) != "grouped":
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    return _grouped(query, key, value, attention_mask, d**-0.5 if scaling is None else scaling)
+
+
+def _grouped(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, None]:
+    """The matmul path of :func:`grouped_attention` (its checks passed)."""
+    b, h, q_len, d = query.shape
+    k_heads, kv_len = key.shape[1], key.shape[2]
     g = h // k_heads
-    scale = d**-0.5 if scaling is None else scaling
+    autocast = torch.is_autocast_enabled("cpu")
     dtype = torch.get_autocast_dtype("cpu") if autocast else query.dtype
     if attention_mask is not None:
         allowed = attention_mask[:, :, None]  # [B, 1, 1, Q, L]
@@ -165,3 +189,78 @@ def restore_sdpa(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "_attn_implementation", None) == NAME:
         model.set_attn_implementation("sdpa")
+
+
+# Shapes timed when choosing (this project's choice: 4 rows of an update micro-batch
+# of ~96-token rows; the 64 rows of an 8 x 8 step decoding).
+MEASURE_ROWS, MEASURE_LENGTH, DECODE_ROWS = 4, 96, 64
+
+
+class _Layer(nn.Module):
+    """What ``sdpa_attention_forward`` reads of an attention layer."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def _trial(shapes: fast_paths.ModelShapes, dtype: torch.dtype) -> fast_paths.Trial:
+    """SDPA against the matmuls on the model's heads (``PATH``: forward and backward)."""
+    gen = torch.Generator().manual_seed(0)
+    h, k, d, n, length = (
+        shapes.heads,
+        shapes.kv_heads,
+        shapes.head_dim,
+        MEASURE_ROWS,
+        MEASURE_LENGTH,
+    )
+    q, key, value = (
+        torch.randn(n, heads, length, d, generator=gen).to(dtype).requires_grad_()
+        for heads in (h, k, k)
+    )  # [B, H or K, L, D]
+    mask = torch.ones(length, length, dtype=torch.bool).tril().expand(n, 1, length, length)
+    grad = torch.randn(n, length, h, d, generator=gen).to(dtype)  # [B, L, H, D]
+    layer = _Layer(h // k)
+
+    def run(attend) -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            out = attend(q, key, value, mask)
+            return (out.detach(), *torch.autograd.grad(out, (q, key, value), grad))
+
+    return fast_paths.Trial(tolerance=_tolerance(dtype), pieces=[(1.0, _works(layer, d, run))])
+
+
+def _decode_trial(shapes: fast_paths.ModelShapes, dtype: torch.dtype) -> fast_paths.Trial:
+    """SDPA against the matmuls for one query per row (``DECODE_PATH``, no autograd)."""
+    gen = torch.Generator().manual_seed(0)
+    h, k, d, n, length = shapes.heads, shapes.kv_heads, shapes.head_dim, DECODE_ROWS, MEASURE_LENGTH
+    q = torch.randn(n, h, 1, d, generator=gen).to(dtype)  # [B, H, 1, D]
+    key, value = (torch.randn(n, k, length, d, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.ones(n, 1, 1, length, dtype=torch.bool)
+    mask[::2, ..., : length // 4] = False  # left padding in every other row
+
+    def run(attend) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return (attend(q, key, value, mask),)
+
+    return fast_paths.Trial(
+        tolerance=_tolerance(dtype), pieces=[(1.0, _works(_Layer(h // k), d, run))]
+    )
+
+
+def _works(layer: nn.Module, head_dim: int, run) -> dict[str, fast_paths.Work]:
+    scale = head_dim**-0.5
+    return {
+        "sdpa": lambda: run(lambda q, k, v, m: sdpa_attention_forward(layer, q, k, v, m)[0]),
+        "grouped": lambda: run(lambda q, k, v, m: _grouped(q, k, v, m, scale)[0]),
+    }
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    # fp32: sums in another order (~1e-6 relative). bf16/fp16: both paths round q k^T and the
+    # weights to 8 (11) mantissa bits, SDPA in other places than the fp32 softmax here.
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+fast_paths.register(PATH, "sdpa", _trial)
+fast_paths.register(DECODE_PATH, "sdpa", _decode_trial)

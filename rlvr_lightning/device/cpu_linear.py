@@ -1,4 +1,4 @@
-"""fp32 linear layers through oneDNN on the CPU.
+"""fp32 linear layers through oneDNN on the CPU, where measured faster than torch's own.
 
 torch runs an fp32 matmul on the CPU with MKL's sgemm. On this project's machine (AMD EPYC,
 AVX-512) that reaches 195-230 GFLOP/s, where oneDNN's fp32 kernels, the ones torch's own
@@ -8,6 +8,15 @@ fp16 matmuls go to oneDNN already. :func:`install` routes a model's plain ``nn.L
 through :func:`linear`, which uses oneDNN only for fp32 tensors on the CPU outside autocast
 and ``F.linear`` otherwise; the results are fp32 products summed in another order (they agree
 with ``F.linear`` to fp32 rounding, not bit for bit).
+
+Which one runs is measured (``fast_paths``, path ``"linear"`` in fp32): torch's own products
+(the reference) against oneDNN's on the prepared model's linear shapes at ``MEASURE_TOKENS``
+rows, the forward and both backward products, each shape counted once per layer. On a CPU
+where MKL's sgemm is as fast (issue 40's Intel Xeon made TRL's MKL-bound fp32 step 1.3x
+faster than this AMD CPU did), torch's path stays. bf16/fp16 products with autograd stay on
+torch's matmul, which is oneDNN's bf16 matmul already (bit-equal to ``_linear_pointwise`` in
+bf16, measured here) and uses AVX512-BF16 or AMX where the CPU has them; no-grad ones may use
+packed weights (:func:`packed_weights`).
 """
 
 from __future__ import annotations
@@ -19,6 +28,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from rlvr_lightning.device import fast_paths
+
+# Rows of the products timed when choosing (this project's choice: an eighth of a 16-row
+# micro-batch of 64-token completions, so that the timing costs well under a second).
+MEASURE_TOKENS = 128
 
 
 @functools.cache
@@ -54,7 +69,8 @@ def disabled() -> Iterator[None]:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes the oneDNN path for these operands. :func:`available` (which
+    """Whether :func:`linear` takes the oneDNN path for these operands (fp32 on the CPU outside
+    autocast, and measured faster: ``fast_paths``). :func:`available` (which
     runs oneDNN once) is asked only for fp32 CPU work: a first fp32 oneDNN call changes how
     later bf16 matmuls run (measured: other bf16 results, +0.15 GiB peak in ``vs_trl.py``), so
     a bf16 run never makes one."""
@@ -65,6 +81,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
         and available()
+        and fast_paths.choice("linear", torch.float32) == "onednn"
     )
 
 
@@ -96,15 +113,65 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear(x, weight, bias)``; through oneDNN when :func:`usable`."""
+    """``F.linear(x, weight, bias)``; through oneDNN when :func:`usable` (fp32) or on a
+    packed weight (:func:`packed_weights`, low precision without grad)."""
     if not usable(x, weight):
-        return F.linear(x, weight, bias)
+        packed = _prepacked(x, weight, bias) if _packing["dtype"] is not None else None
+        return F.linear(x, weight, bias) if packed is None else packed
     if not torch.is_grad_enabled() or not (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         flat = x.reshape(-1, x.shape[-1])
         return mm_nt(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return _Linear.apply(x, weight, bias)
+
+
+# No-grad products in bf16/fp16 while the weights are fixed (``packed_weights``): torch's matmul
+# (oneDNN's, which reorders the weight into its blocked layout on every call) or oneDNN's linear
+# kernel on a weight reordered once per block (``prepacked``), as measured (``NOGRAD_PATH``).
+NOGRAD_PATH = "linear.nograd"
+PACK_ROWS = 64  # the row count oneDNN prepares a packed weight for: decoding's 8 x 8 rows
+_packing: dict[str, object] = {"dtype": None, "weights": {}}
+
+
+@contextmanager
+def packed_weights(dtype: torch.dtype) -> Iterator[None]:
+    """Within: no-grad products computed in ``dtype`` (autocast's) may use a copy of each weight
+    packed once for oneDNN, where measured faster. The weights must not change inside (a
+    weight modified in place is packed again, by its version counter)."""
+    saved = dict(_packing)
+    _packing.update(dtype=dtype, weights={})
+    try:
+        yield
+    finally:
+        _packing.clear()
+        _packing.update(saved)
+
+
+def _prepacked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``F.linear`` under autocast without grad, on a packed copy of ``weight``; None where
+    this route does not apply (outside ``packed_weights``, another dtype, not chosen)."""
+    dtype = _packing["dtype"]
+    if (
+        dtype is None
+        or torch.is_grad_enabled()
+        or x.device.type != "cpu"
+        or not torch.is_autocast_enabled("cpu")
+        or torch.get_autocast_dtype("cpu") != dtype
+        or not available()
+        or fast_paths.choice(NOGRAD_PATH, dtype) != "prepacked"
+    ):
+        return None
+    store = _packing["weights"]
+    version, packed = store.get(id(weight), (None, None))
+    if version != weight._version:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), PACK_ROWS)
+        store[id(weight)] = (weight._version, packed)
+    flat = x.reshape(-1, x.shape[-1]).to(dtype)  # [m, k]
+    b = None if bias is None else bias.to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, b, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -125,3 +192,43 @@ def install(model: nn.Module) -> int:
             module.forward = functools.partial(_forward, module)
             switched += 1
     return switched
+
+
+def _trial(shapes: fast_paths.ModelShapes, dtype: torch.dtype) -> fast_paths.Trial:
+    """torch's products against oneDNN's on each linear shape: ``x W^T``, ``g W``, ``g^T x``."""
+    gen = torch.Generator().manual_seed(0)
+    m, pieces = MEASURE_TOKENS, []
+    for k, n, count in shapes.linears:
+        x, w, g = (torch.randn(*s, generator=gen).to(dtype) for s in ((m, k), (n, k), (m, n)))
+        works = {
+            "torch": lambda x=x, w=w, g=g: (x @ w.t(), g @ w, g.t() @ x),
+            "onednn": lambda x=x, w=w, g=g: (mm_nt(x, w), mm_nt(g, w.t()), mm_nt(g.t(), x.t())),
+        }
+        pieces.append((float(count), works))
+    # fp32 sums of <= a few thousand products in another order differ by ~1e-6 relative.
+    return fast_paths.Trial(tolerance=1e-4, pieces=pieces)
+
+
+def _nograd_trial(shapes: fast_paths.ModelShapes, dtype: torch.dtype) -> fast_paths.Trial:
+    """torch's low-precision product against oneDNN's on a packed weight, ``PACK_ROWS`` rows
+    (packing is not timed: it happens once per block of decoding steps)."""
+    if not available() or dtype == torch.float32:
+        return fast_paths.Trial(tolerance=0.0, pieces=[])
+    gen = torch.Generator().manual_seed(0)
+    pieces = []
+    for k, n, count in shapes.linears:
+        x, w = (torch.randn(*s, generator=gen).to(dtype) for s in ((PACK_ROWS, k), (n, k)))
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        works = {
+            "torch": lambda x=x, w=w: (x @ w.t(),),
+            "prepacked": lambda x=x, p=packed: (
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+            ),
+        }
+        pieces.append((float(count), works))
+    # Both accumulate in fp32 and round once to bf16/fp16: ~1 unit of the last place apart.
+    return fast_paths.Trial(tolerance=1e-2, pieces=pieces)
+
+
+fast_paths.register("linear", "torch", _trial)
+fast_paths.register(NOGRAD_PATH, "torch", _nograd_trial)

@@ -227,7 +227,12 @@ def _hardware(trainer: pl.Trainer) -> str:
     else:
         name = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     count = trainer.num_devices * trainer.num_nodes
-    return f"{count} x {name}, precision {trainer.precision}"
+    line = f"{count} x {name}, precision {trainer.precision}"
+    if device.type == "cpu":  # which kernels ran: chosen by measurement on this CPU
+        from rlvr_lightning.device import fast_path_summary  # here: the card module stays light
+
+        line += f", fast paths: {fast_path_summary()}"
+    return line
 
 
 def _recipe(hparams: Mapping[str, Any]) -> dict[str, Any]:

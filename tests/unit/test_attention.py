@@ -6,9 +6,18 @@ import copy
 import pytest
 import torch
 
-from rlvr_lightning.device import attention
+from rlvr_lightning.device import attention, fast_paths
 from rlvr_lightning.device.shared_prompts import cache_kwarg
 from rlvr_lightning.testing import tiny_policy
+
+
+@pytest.fixture(autouse=True)
+def grouped_chosen():
+    """These tests check the grouped path itself: it runs whatever this machine would choose."""
+    paths = (attention.PATH, attention.DECODE_PATH)
+    dtypes = ("float32", "bfloat16", "float16")
+    with fast_paths.forced({f"{p}/{d}": "grouped" for p in paths for d in dtypes}):
+        yield
 
 
 @pytest.fixture

@@ -5,11 +5,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rlvr_lightning.device import cpu_linear
+from rlvr_lightning.device import cpu_linear, fast_paths
 from rlvr_lightning.device.forward import fused_head
 from rlvr_lightning.testing import tiny_policy
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no oneDNN linear kernel")
+
+
+@pytest.fixture(autouse=True)
+def onednn_chosen():
+    """These tests check the oneDNN route itself: it runs whatever this machine would choose."""
+    with fast_paths.forced({"linear/float32": "onednn"}):
+        yield
 
 
 def _operands(bias: bool = True):
