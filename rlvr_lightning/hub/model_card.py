@@ -13,7 +13,6 @@ import importlib.resources
 import inspect
 import math
 import os
-import platform
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from rlvr_lightning.algorithms.presets import get_preset
 from rlvr_lightning.hub import card_safety
-from rlvr_lightning.hub.card_multiturn import multiturn_line
+from rlvr_lightning.hub.card_lines import hardware_line, multiturn_line
 from rlvr_lightning.hub.card_safety import clean_value, public_base_model, scrub
 from rlvr_lightning.hub.transfer import is_hub_name
 
@@ -220,21 +218,6 @@ def _public_hparams(hparams: Mapping[str, Any], drop: Sequence[str] = ()) -> dic
     return {k: v for k, v in hparams.items() if not k.startswith("_") and k not in drop}
 
 
-def _hardware(trainer: pl.Trainer) -> str:
-    device = trainer.strategy.root_device
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    count = trainer.num_devices * trainer.num_nodes
-    line = f"{count} x {name}, precision {trainer.precision}"
-    if device.type == "cpu":  # which kernels ran: chosen by measurement on this CPU
-        from rlvr_lightning.device import fast_path_summary  # here: the card module stays light
-
-        line += f", fast paths: {fast_path_summary()}"
-    return line
-
-
 def _recipe(hparams: Mapping[str, Any]) -> dict[str, Any]:
     preset = get_preset(hparams["algorithm"])
     given = {**(hparams.get("loss") or {}), "estimator": hparams.get("estimator")}
@@ -277,7 +260,7 @@ def run_facts(trainer: pl.Trainer, module: Any) -> RunFacts:
             if not _is_cosmetic(cb)
         ],
         steps=int(trainer.global_step),
-        hardware=_hardware(trainer),
+        hardware=hardware_line(trainer),
         extra_citations=[c for cb in trainer.callbacks for c in getattr(cb, "citations", ())],
     )
 

@@ -184,7 +184,7 @@ def test_cli_refuses_a_tool_given_as_the_environment_before_training(capsys) -> 
 
 
 def test_the_model_card_names_tools_environment_and_turns() -> None:
-    from rlvr_lightning.hub.card_multiturn import multiturn_line
+    from rlvr_lightning.hub.card_lines import multiturn_line
 
     assert multiturn_line({"max_turns": 1}) is None
     line = multiturn_line(

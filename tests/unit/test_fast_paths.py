@@ -197,12 +197,12 @@ def test_an_unknown_mode_is_refused_with_the_fix(monkeypatch, capsys):
 def test_the_model_card_hardware_line_names_the_choices(monkeypatch):
     from types import SimpleNamespace
 
-    from rlvr_lightning.hub.model_card import _hardware
+    from rlvr_lightning.hub.card_lines import hardware_line
 
     _toy_path(monkeypatch, {"ref": 1.0, "fast": 1.0})
     _mock_times(monkeypatch, {"ref": 0.030, "fast": 0.010})
     fast_paths.choice("toy", torch.float32)
     strategy = SimpleNamespace(root_device=torch.device("cpu"))
     trainer = SimpleNamespace(strategy=strategy, num_devices=1, num_nodes=1, precision="32-true")
-    line = _hardware(trainer)
+    line = hardware_line(trainer)
     assert line.endswith("precision 32-true, fast paths: toy/float32 fast (measured)"), line
