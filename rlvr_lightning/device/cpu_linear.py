@@ -46,12 +46,13 @@ def available() -> bool:
         return False
     gen = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=gen) for s in ((5, 7), (3, 7), (3,)))
-    try:
-        with torch.no_grad():
+    # Asked first inside a bf16 autocast block (a validation before training) too: compare fp32.
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        try:
             got = op(x, w, b, "none", [], "")
-    except (RuntimeError, NotImplementedError):
-        return False
-    return torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        except (RuntimeError, NotImplementedError):
+            return False
+        return torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 _off = 0  # depth of `disabled()` blocks

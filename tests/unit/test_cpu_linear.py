@@ -101,3 +101,16 @@ def test_disabled_blocks_use_f_linear_and_bf16_never_asks_for_onednn(monkeypatch
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.tensor([[5, 6, 7]]))
     assert asked == []  # a first fp32 oneDNN call would change later bf16 matmuls
+
+
+def test_availability_is_judged_in_fp32_when_first_asked_under_bf16_autocast() -> None:
+    from rlvr_lightning.device import cpu_linear
+
+    cpu_linear.available.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = cpu_linear.available()
+        cpu_linear.available.cache_clear()
+        assert inside == cpu_linear.available()
+    finally:
+        cpu_linear.available.cache_clear()
