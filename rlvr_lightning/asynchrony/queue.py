@@ -5,9 +5,10 @@ The in-process schedule is a delay line: the round composed at rollout step ``s`
 ``s + k`` (``k`` = ``max_staleness``), by version ``v + k``: the generator is exactly ``k``
 versions ahead, never racing, so a run is a function of its seed and can be resumed bit for
 bit (the first ``k`` rounds are drawn by version 0, before any update, and lag ``0 .. k-1``
-versions). The first ``k`` steps only fill the queue (no optimiser step: ``trainer.max_steps``, which
-counts optimiser steps, still gives the same number of updates); the last ``k`` rounds of a
-run are generated but never trained (they are in its last checkpoint, for a resume).
+versions). The first ``k`` steps only fill the queue (no optimiser step:
+``trainer.max_steps``, which counts optimiser steps, still gives the same number of updates);
+the last ``k`` rounds of a run are generated but never trained (they are in its last
+checkpoint, for a resume).
 """
 
 from __future__ import annotations

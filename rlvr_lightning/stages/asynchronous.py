@@ -78,7 +78,9 @@ class AsyncStage(pl.LightningModule):
         out.update(
             {
                 "async/queue_depth": float(len(q)),
-                "async/policy_version": float(version),
+                "async/policy_version": float(version),  # the trainer's, before this update
+                # The version that drew the trained rows: their outcomes (StepOutput) are its.
+                "async/sample_version": float(version if queued is None else queued.version),
                 "async/dropped_rounds": float(q.dropped_rounds),
                 "async/dropped_rows": float(q.dropped_rows),
             }
