@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 from rlvr_lightning.stages.hooks import RLVRCallback
 
@@ -37,12 +38,12 @@ class Steps(RLVRCallback):
         self.metrics: list[dict[str, float]] = []
         self.lengths: list[int] = []
 
-    def on_step_output(self, trainer, module, output) -> None:
+    def on_step_output(self, trainer: Any, module: Any, output: Any) -> None:
         self.metrics.append(dict(output.metrics))
         self.lengths += output.lengths.flatten().tolist()
 
 
-def build(args: argparse.Namespace, mode: str, staleness: int):
+def build(args: argparse.Namespace, mode: str, staleness: int) -> tuple[Any, Any, Any, Steps]:
     """The module, data module and trainer of one run."""
     import lightning.pytorch as pl
 
