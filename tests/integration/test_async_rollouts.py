@@ -213,3 +213,19 @@ def test_bad_asynchrony_settings_are_named_by_the_cli(capsys, args, message):
         main(["fit", "--config", CONFIG, *args])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and message in err and "Traceback" not in err, err
+
+
+def test_a_look_ahead_puts_the_queue_and_the_pushes_back(tmp_path):
+    """NPO's look-ahead trains ahead and restores the training state: with async rollouts
+    that state includes the queued rounds and the weight pushes."""
+    from rlvr_lightning.guidance import lookahead
+
+    c = fit(cli(tmp_path, "--model.init_args.rollout_mode=async", "--trainer.max_steps=2"))
+    module, trainer = c.model, c.trainer
+    before = (module.rollout_queue.state_dict(), module.weight_sync.state_dict())
+    saved = lookahead.capture(trainer, module)
+    module.rollout_queue.rounds.clear()
+    module.weight_sync.push(module.weight_sync.version + 1, module.policy.named_parameters())
+    lookahead.restore(trainer, module, saved)
+    assert_same((module.rollout_queue.state_dict(), module.weight_sync.state_dict()), before)
+    assert len(before[0]["rounds"]) == 1
