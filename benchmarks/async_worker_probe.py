@@ -8,8 +8,8 @@ shared memory), which generates the next round while this process runs the updat
 stage times and both schedules' seconds per round, with both processes at the given torch
 thread counts.
 
-    python benchmarks/async_worker_probe.py                      # 3 rounds, 2 threads each
-    python benchmarks/async_worker_probe.py --threads 1 --rounds 5
+    python benchmarks/async_worker_probe.py                      # 3 rounds of 4 x 8 rows
+    python benchmarks/async_worker_probe.py --threads 1 --rounds 5 --prompts 8
 """
 
 from __future__ import annotations
@@ -51,19 +51,20 @@ def generate(engine: HFEngine, ids: torch.Tensor, mask: torch.Tensor) -> torch.T
 def update(model: Any, opt: Any, ids: torch.Tensor, completions: torch.Tensor) -> None:
     """One forward, backward and AdamW step on the round's rows (a stand-in for the loss)."""
     rows = torch.cat([ids.repeat_interleave(SAMPLING.group_size, 0), completions], 1)  # [N, P+T]
-    logits = model(rows).logits[:, ids.shape[1] - 1 : -1]  # [N, T, V]
+    hidden = model.model(rows).last_hidden_state[:, ids.shape[1] - 1 : -1]  # [N, T, H]
+    logits = model.lm_head(hidden)  # [N, T, V]: the completion positions only
     loss = -logits.log_softmax(-1).gather(-1, completions[..., None]).mean()
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def worker(inbox: Any, outbox: Any, threads: int) -> None:
+def worker(inbox: Any, outbox: Any, threads: int, n: int) -> None:
     """The worker process: load pushed weights, generate, send the tokens back."""
     torch.set_num_threads(threads)
     model, tokenizer = load_policy(EMBEDDED_DEFAULT)
     engine = HFEngine(model, tokenizer)
-    ids, mask = prompts(tokenizer, 8)
+    ids, mask = prompts(tokenizer, n)
     outbox.put("ready")
     while (weights := inbox.get()) is not None:
         model.load_state_dict(weights)
@@ -74,12 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--prompts", type=int, default=4, help="prompts per round (8 rows each)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tokenizer = load_policy(EMBEDDED_DEFAULT)
     engine, opt = HFEngine(model, tokenizer), torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ids, mask = prompts(tokenizer, 8)
+    ids, mask = prompts(tokenizer, args.prompts)
     gen, upd = [], []
     completions = generate(engine, ids, mask)  # warm-up
     for _ in range(args.rounds):  # in-process: take turns
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         upd.append(time.perf_counter() - t1)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=worker, args=(inbox, outbox, args.threads))
+    child = ctx.Process(target=worker, args=(inbox, outbox, args.threads, args.prompts))
     child.start()
     outbox.get()
     shared = {k: v.detach().clone().share_memory_() for k, v in model.state_dict().items()}
