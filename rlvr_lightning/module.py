@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 
 from rlvr_lightning import models
@@ -27,7 +26,8 @@ from rlvr_lightning.rewards.trl_contract import RewardState
 from rlvr_lightning.rollout.base import RolloutEngine
 from rlvr_lightning.rollout.factory import resolve_engine
 from rlvr_lightning.stages import build
-from rlvr_lightning.stages.dynamic import keep_first, refill_step
+from rlvr_lightning.stages.asynchronous import AsyncStage
+from rlvr_lightning.stages.dynamic import DynamicStage, keep_first
 from rlvr_lightning.stages.generation import GenerationStage
 from rlvr_lightning.stages.hooks import run_hooks
 from rlvr_lightning.stages.lifecycle import StepLifecycle, plain_hparam
@@ -38,7 +38,7 @@ from rlvr_lightning.stages.summary import StepClock, summarise_step
 from rlvr_lightning.types import PromptBatch, Rollouts, Sampling, Scored, StepOutput
 
 
-class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule):
+class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, AsyncStage):
     """GRPO-style RL with verifiable rewards.
 
     Args:
@@ -74,6 +74,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         engine_kwargs: constructor arguments of the engine (``HFEngine`` or ``VLLMEngine``).
         keep_dropout: keep the model's dropout; by default every rate is set to 0 at load, as
             TRL does (dropout makes ``pi / pi_old`` differ from 1 on on-policy tokens).
+        rollout_mode, max_staleness, deterministic_schedule: see ``options.Asynchrony``.
 
     Each group is a dataclass of ``rlvr_lightning.options`` (its own ``--help`` section).
     """
@@ -101,6 +102,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         engine: Literal["hf", "vllm", "auto"] = "hf",
         engine_kwargs: dict[str, Any] | None = None,
         keep_dropout: bool = False,
+        rollout_mode: Literal["sync", "async"] = "sync",
+        max_staleness: int = 1,
+        deterministic_schedule: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -110,6 +114,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         self.options = opt.Options.of(
             rewards=rewards, loss=loss, selection=selection, update=update, lora=lora,
             correction=correction, offpolicy=offpolicy, multiturn=multiturn,
+            asynchrony=opt.Asynchrony(rollout_mode, max_staleness, deterministic_schedule),
         )  # fmt: skip
         self.sampling, self.val_sampling = (
             opt.as_group(Sampling, sampling),
@@ -221,8 +226,9 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
         self._clock.start()
         batch = self._run_hooks("on_before_rollout", batch)
         target = len(batch)
-        scored = self.generate_round(batch)
-        extra: dict[str, float] = {}
+        batch, scored, extra = self.next_round(batch)  # async: a round generated earlier
+        if scored is None:  # async: the queue is still filling, nothing trains yet
+            return
         if self.options.selection.dynamic_sampling:
             batch, scored, extra = self._refill(batch, scored)
         self._clock.lap()
@@ -236,21 +242,13 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, pl.LightningModule
             extra.update(self.probe_head.observe(scored))
         optimiser_steps = self.global_step
         update_metrics = self.update(scored, advantages, groups)
+        self.push_weights()  # async: the weights become the next policy version
         self._clock.lap()
         output = self.step_output(batch, scored, advantages, update_metrics, groups)
-        output.metrics.update({**extra, **mismatch, **self._clock.metrics(scored.rollouts)})
+        output.metrics.update({**extra, **mismatch, **self.step_metrics(scored.rollouts)})
         self.publish(output)
         self._rollout_step += 1
         self._check_progress(self.global_step > optimiser_steps)
-
-    def _refill(self, batch: PromptBatch, scored: Scored) -> tuple[PromptBatch, Scored, dict]:
-        """Dynamic sampling's extra rounds (``stages.dynamic``)."""
-        max_rounds, pad = self.options.selection.max_gen_rounds, self.tokenizer.pad_token_id
-        batch, scored, metrics = refill_step(
-            self.trainer, batch, scored, self.select_groups, self.generate_round, max_rounds, pad
-        )
-        self.step_batch = batch
-        return batch, scored, metrics
 
     def generate_round(self, batch: PromptBatch) -> Scored:
         """Rollout, score, then the ``on_after_score`` hooks, for one round of prompts.

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("heads",),
     ("data",),
     ("rollout",),
+    ("asynchrony",),
     ("options",),
     ("stages",),
     ("guidance",),

@@ -100,6 +100,17 @@ class StepComposer:
         exception) trains this step's prompts again."""
         self.pending = self.composition_state()
 
+    def hold_step(self) -> list[str]:
+        """The composed step leaves the stream now, not when its outcome is reported: its
+        round waits in the module's queue (asynchronous rollouts), saved in the module's
+        checkpoints. Returns the step's prompts served again, for ``resume_step``."""
+        served, self.served, self.pending = sorted(self.served), set(), None
+        return served
+
+    def resume_step(self, served: Sequence[str]) -> None:
+        """The step reported next (``observe``) is a held one, which served ``served``."""
+        self.served = set(served)
+
     def group_mask(self, correct: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor | None:
         """``[B]`` bool: groups of ``[B, G]`` results allowed to train (None: all)."""
         if self.curriculum is None:

@@ -36,6 +36,8 @@ MODULE_COUNTERS = (
     "_open_step",
     "last_step",
     "step_batch",
+    "_queue",  # asynchronous rollouts: the queued rounds and the weight pushes
+    "_weight_sync",
 )
 _SHAPING_HOOKS = ("on_before_rollout", "on_before_generate", "on_after_score")
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from rlvr_lightning.algorithms.losses import AggMode
 from rlvr_lightning.algorithms.outcomes import InformativeBy
+from rlvr_lightning.options.asynchrony import Asynchrony
 from rlvr_lightning.options.multiturn import MultiTurn
 
 
@@ -222,8 +223,10 @@ class Options:
 
     @classmethod
     def of(cls, **groups: Any) -> Options:
-        """The groups given as dataclasses or dicts (a checkpoint's hyperparameters)."""
-        return cls(**{name: as_group(GROUPS[name], value) for name, value in groups.items()})
+        """The groups given as dataclasses or dicts (a checkpoint's hyperparameters);
+        ``asynchrony`` (top-level module arguments) as an ``Asynchrony``."""
+        made = {n: v if n == "asynchrony" else as_group(GROUPS[n], v) for n, v in groups.items()}
+        return cls(**made)
 
     rewards: Rewards = Rewards()
     loss: Loss = Loss()
@@ -233,6 +236,14 @@ class Options:
     correction: Correction = Correction()
     offpolicy: OffPolicy = OffPolicy()
     multiturn: MultiTurn = MultiTurn()
+    asynchrony: Asynchrony = Asynchrony()
+
+    def __post_init__(self) -> None:
+        if self.asynchrony.rollout_mode == "async" and self.selection.dynamic_sampling:
+            raise ValueError(
+                "rollout_mode: async with selection.dynamic_sampling: the extra rounds would be "
+                "generated at training time, by the newest policy; use one or the other."
+            )
 
 
 GROUPS: dict[str, type] = {

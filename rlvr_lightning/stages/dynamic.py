@@ -280,3 +280,16 @@ def refill_step(
         batch, scored, select, datamodule.draw_prompts, generate, max_rounds, pad_id, agree
     )
     return result.batch, result.scored, result.metrics
+
+
+class DynamicStage(pl.LightningModule):
+    """Dynamic sampling's extra rounds as ``RLVRModule``'s own method (a mixin)."""
+
+    def _refill(self, batch: PromptBatch, scored: Scored) -> tuple[PromptBatch, Scored, dict]:
+        """``refill_step`` with the module's ``select_groups`` and ``generate_round``."""
+        max_rounds, pad = self.options.selection.max_gen_rounds, self.tokenizer.pad_token_id
+        batch, scored, metrics = refill_step(
+            self.trainer, batch, scored, self.select_groups, self.generate_round, max_rounds, pad
+        )
+        self.step_batch = batch
+        return batch, scored, metrics

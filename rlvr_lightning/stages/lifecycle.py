@@ -254,6 +254,7 @@ class StepLifecycle(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rlvr_rollout_step"] = self._rollout_step
+        self.save_async_state(checkpoint)  # the queued rounds (stages.asynchronous)
         # Sampling RNG, so a resumed single-device run draws the rollouts an uninterrupted one
         # would have drawn (Lightning does not save it).
         checkpoint["rlvr_rng"] = {"cpu": torch.get_rng_state()}
@@ -279,6 +280,7 @@ class StepLifecycle(pl.LightningModule):
         if problem := checkpoint.get(checkpointing.UNSAFE_KEY):
             raise checkpointing.CheckpointError(f"This checkpoint is not consistent: {problem}.")
         self._rollout_step = checkpoint.get("rlvr_rollout_step", 0)
+        self.load_async_state(checkpoint)
         rng = checkpoint.get("rlvr_rng", {})
         if "cpu" in rng:
             torch.set_rng_state(rng["cpu"])

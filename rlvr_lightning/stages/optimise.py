@@ -140,7 +140,9 @@ class UpdateStage(pl.LightningModule):
         heads = self.value_head is not None or self.probe_head is not None
         choice, s = o.correction.old_logprobs, self.sampling
         truncated = s.top_p < 1.0 or s.top_k > 0  # the sampler's log-probs are not π_θ's
-        if correction.needs_trainer_logprobs(choice, self.engine.shares_policy, r, base, truncated):
+        # Asynchronous rows were drawn by an older version: π_old is the trainer's (decoupled).
+        shares = self.engine.shares_policy and not self.asynchronous
+        if correction.needs_trainer_logprobs(choice, shares, r, base, truncated):
             if self._one_step_per_rollout() and not heads:
                 # the update's forwards run on π_old's weights: no separate pass needed
                 r = old_logprobs.deferred_trainer_logprobs(r, base)

@@ -150,3 +150,19 @@ def test_logged_advantages_and_token_counts_skip_environment_tokens() -> None:
     assert m["multiturn/tokens_trained"] == 6.0 and m["multiturn/tokens_seen"] == 8.0
     assert m["multiturn/turns"] == 1.5 and m["multiturn/tool_errors"] == 0.5
     assert "multiturn/env_reward" not in m
+
+
+def test_a_queued_multi_turn_round_keeps_its_turns_through_a_checkpoint() -> None:
+    """Async rollouts queue trajectories in checkpoints (``asynchrony.plain``)."""
+    import io
+
+    from rlvr_lightning.asynchrony.plain import from_plain, to_plain
+
+    buffer = io.BytesIO()
+    torch.save(to_plain(multi_turn()), buffer)
+    buffer.seek(0)
+    back = from_plain(torch.load(buffer, weights_only=True))
+    assert back.conversations == multi_turn().conversations
+    assert torch.equal(back.loss_mask, multi_turn().loss_mask)
+    assert back.turn_stats["env_reward"][1].isnan()
+    assert torch.equal(back.turn_stats["turns"], multi_turn().turn_stats["turns"])

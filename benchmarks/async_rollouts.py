@@ -1,0 +1,126 @@
+"""Synchronous vs asynchronous rollouts (staleness 1 and 2), side by side.
+
+Same model, task, rewards, seed and number of optimiser steps for every mode, one after the
+other in this process. Prints per mode: trained samples per second of the fit, the trainer's
+and the generator's idle shares of a step, the completion lengths (median, 95th percentile,
+max: how long-tailed the workload is), greedy validation accuracy after training, and the
+speed-up the overlap would give with generation on its own device, estimated from the
+measured stage times as ``sum(gen + score + update) / sum(max(gen + score, update))``.
+
+On one CPU the in-process schedule takes turns (generate, then update), so async mode cannot
+be faster here; what it changes is which policy version drew the trained samples. Its wall
+time also holds the ``k`` rounds it generates before the first update (samples/s counts
+trained samples), which weighs on short runs. A partial-
+rollout mode (CoPRIS) is not built yet, so it is not in the table.
+
+    python benchmarks/async_rollouts.py                 # smoke: tiny random model, seconds
+    # Full size (the quickstart's workload with longer completions; ~15 min per mode on 2 cores):
+    python benchmarks/async_rollouts.py --policy embedded:smollm2-135m-instruct \\
+        --steps 20 --prompts 8 --group-size 8 --max-new-tokens 128 --val-size 50 --lr 3e-5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from rlvr_lightning.stages.hooks import RLVRCallback
+
+MODES = {"sync": ("sync", 1), "async1": ("async", 1), "async2": ("async", 2)}
+
+
+class Steps(RLVRCallback):
+    """Keeps each trained step's metrics and completion lengths."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+        self.lengths: list[int] = []
+
+    def on_step_output(self, trainer: Any, module: Any, output: Any) -> None:
+        self.metrics.append(dict(output.metrics))
+        self.lengths += output.lengths.flatten().tolist()
+
+
+def build(args: argparse.Namespace, mode: str, staleness: int) -> tuple[Any, Any, Any, Steps]:
+    """The module, data module and trainer of one run."""
+    import lightning.pytorch as pl
+
+    from rlvr_lightning.data import RLVRDataModule
+    from rlvr_lightning.module import RLVRModule
+    from rlvr_lightning.testing import digit_fraction, grouped, quiet_trainer
+    from rlvr_lightning.types import Sampling
+
+    pl.seed_everything(args.seed, verbose=False)
+    tiny = args.policy.startswith("tiny:")
+    functions = [digit_fraction] if tiny else None  # the tiny random model never earns boxed
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, group_size=args.group_size)
+    kwargs = grouped(
+        functions=functions, lr=args.lr, micro_batch_size=args.prompts * args.group_size
+    )
+    module = RLVRModule(
+        args.policy, sampling=sampling, rollout_mode=mode, max_staleness=staleness, **kwargs
+    )
+    data = RLVRDataModule(
+        source="addition",
+        train_size=max(args.steps * args.prompts * 2, 64),
+        val_size=args.val_size,
+        prompts_per_step=args.prompts,
+        val_prompts_per_batch=args.val_size,
+        seed=args.seed,
+    )
+    steps = Steps()
+    trainer = quiet_trainer(max_steps=args.steps, callbacks=[steps], limit_val_batches=1.0)
+    return module, data, trainer, steps
+
+
+def run(args: argparse.Namespace, name: str) -> dict[str, float]:
+    """One mode: fit, then greedy validation; its row of the table."""
+    mode, staleness = MODES[name]
+    module, data, trainer, steps = build(args, mode, staleness)
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    wall = time.perf_counter() - start
+    accuracy = trainer.validate(module, datamodule=data, verbose=False)[0]["val/accuracy"]
+    m = steps.metrics
+    gen = [s["gen_time_s"] + s["score_time_s"] for s in m]
+    upd = [s["update_time_s"] for s in m]
+    step = [s["step_time_s"] for s in m]
+    lengths = sorted(steps.lengths)
+    return {
+        "samples/s": len(lengths) / wall,
+        "trainer idle": sum(gen) / sum(step),
+        "worker idle": sum(upd) / sum(step),
+        "est. speed-up": sum(g + u for g, u in zip(gen, upd, strict=True))
+        / sum(map(max, gen, upd)),
+        "len p50": statistics.median(lengths),
+        "len p95": lengths[int(0.95 * (len(lengths) - 1))],
+        "len max": lengths[-1],
+        "val acc": float(accuracy),
+        "wall s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", default="tiny:0")
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=3, help="optimiser steps per mode")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--val-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    rows = {name: run(args, name) for name in args.modes.split(",")}
+    columns = list(next(iter(rows.values())))
+    print("| mode | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(f"{row[c]:.3g}" for c in columns) + " |")
+
+
+if __name__ == "__main__":
+    main()

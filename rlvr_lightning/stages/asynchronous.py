@@ -1,0 +1,152 @@
+"""Asynchronous rollouts in the step (``options.Asynchrony``): the round to train, generated
+``max_staleness`` steps earlier by the policy version it is tagged with, the weight pushes and
+their check, the queue in checkpoints, the ``async/*`` metrics.
+
+A mixin of ``RLVRModule``, as the other stages; the queue, schedule and fingerprint are in
+``rlvr_lightning.asynchrony``. In ``sync`` mode (the default) ``next_round`` is
+``generate_round`` and nothing else here runs, so a synchronous run is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from rlvr_lightning.algorithms.staleness import staleness_shares
+from rlvr_lightning.asynchrony import QueuedRound, RolloutQueue, WeightSync
+from rlvr_lightning.types import PromptBatch, Rollouts, Scored
+
+CHECKPOINT_KEY = "rlvr_async"
+
+
+class AsyncStage(pl.LightningModule):
+    """``next_round`` (the step's round), ``push_weights`` (after the update), checkpoints."""
+
+    _queue: RolloutQueue | None = None
+    _weight_sync: WeightSync | None = None
+
+    @property
+    def rollout_queue(self) -> RolloutQueue:
+        """Rounds generated ahead of the update (empty in ``sync`` mode)."""
+        if self._queue is None:
+            self._queue = RolloutQueue()
+        return self._queue
+
+    @property
+    def weight_sync(self) -> WeightSync:
+        """The pushes of the policy's weights: versions and fingerprints."""
+        if self._weight_sync is None:
+            self._weight_sync = WeightSync(keep=self.options.asynchrony.max_staleness + 2)
+        return self._weight_sync
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.options.asynchrony.rollout_mode == "async"
+
+    def next_round(self, batch: PromptBatch) -> tuple[PromptBatch, Scored | None, dict]:
+        """The prompts and scored rows this step trains, and their ``async/*`` metrics.
+
+        ``sync``: ``generate_round(batch)``. ``async``: ``batch`` is generated now by the
+        policy's current version (checked against its last push) and queued; the step trains
+        the oldest queued round once ``max_staleness`` rounds wait before it (None while the
+        queue fills: the step then only generates).
+        """
+        if not self.asynchronous:
+            return batch, self.generate_round(batch), {}
+        a = self.options.asynchrony
+        version = self._checked_version()
+        scored = self.generate_round(batch)
+        served = self._data_call("hold_step", [])
+        self.rollout_queue.put(QueuedRound(batch, scored, version, self._rollout_step, served))
+        queued = self.rollout_queue.take(version, a.max_staleness, ahead=a.max_staleness)
+        metrics = self._queue_metrics(version, queued)
+        self.log("async/queue", float(len(self.rollout_queue)), prog_bar=True, batch_size=1)
+        if queued is None:  # a step that only generates still counts as a rollout step
+            self._rollout_step += 1
+            return batch, None, metrics
+        self._data_call("resume_step", None, queued.served)
+        self.step_batch = queued.batch
+        return queued.batch, queued.scored, metrics
+
+    def _queue_metrics(self, version: int, queued: QueuedRound | None) -> dict[str, float]:
+        a, q = self.options.asynchrony, self.rollout_queue
+        lags = torch.tensor([] if queued is None else [version - queued.version])  # [1] or [0]
+        shares = staleness_shares(lags, a.max_staleness)
+        out = {f"async/staleness_{k}": share for k, share in shares.items()}
+        out.update(
+            {
+                "async/queue_depth": float(len(q)),
+                "async/policy_version": float(version),  # the trainer's, before this update
+                # The version that drew the trained rows: their outcomes (StepOutput) are its.
+                "async/sample_version": float(version if queued is None else queued.version),
+                "async/dropped_rounds": float(q.dropped_rounds),
+                "async/dropped_rows": float(q.dropped_rows),
+            }
+        )
+        return out
+
+    def step_metrics(self, rollouts: Rollouts) -> dict[str, float]:
+        """The step clock's metrics; in ``async`` mode also the idle shares of both sides. In
+        this process the two take turns: the trainer is idle while the round is generated and
+        scored, the generator while the update runs."""
+        out = self._clock.metrics(rollouts)
+        if self.asynchronous:
+            step = max(out["step_time_s"], 1e-9)
+            out["async/trainer_idle_s"] = out["gen_time_s"] + out["score_time_s"]
+            out["async/worker_idle_s"] = out["update_time_s"]
+            out["async/trainer_idle_share"] = out["async/trainer_idle_s"] / step
+            out["async/worker_idle_share"] = out["async/worker_idle_s"] / step
+        return out
+
+    def push_weights(self) -> None:
+        """After an update (``async``): the policy's weights become the next version, with
+        their fingerprint (``asynchrony.fingerprint``)."""
+        if self.asynchronous:
+            self.weight_sync.push(self.weight_sync.version + 1, self._generator_weights())
+
+    def _checked_version(self) -> int:
+        """The version the generator's weights hold: the last pushed, else an error naming
+        both (``asynchrony.WeightSyncError``). The run's first step pushes version 0."""
+        sync = self.weight_sync
+        if not sync.pushes:
+            sync.push(0, self._generator_weights())
+        if not self.engine.shares_policy:
+            # vLLM holds its own copy, reloaded from the policy (`sync_engine`) before it
+            # generates; reading its weights back is not built, so the policy's are checked.
+            self.sync_engine()
+        return sync.check(self._generator_weights())
+
+    def _generator_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.policy.named_parameters())
+
+    def _data_call(self, name: str, default: Any, *args: Any) -> Any:
+        """``datamodule.composer.<name>(*args)`` when the data module has a step composer
+        (``RLVRDataModule``); ``default`` otherwise."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        method = getattr(getattr(datamodule, "composer", None), name, None)
+        return default if method is None else method(*args)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def save_async_state(self, checkpoint: dict[str, Any]) -> None:
+        """The queue (rounds, versions, log-probs, scores) and the pushes, in ``async`` mode;
+        the generator's RNG is the process's, saved with the sampling RNG."""
+        if self.asynchronous:
+            checkpoint[CHECKPOINT_KEY] = {
+                "queue": self.rollout_queue.state_dict(),
+                "weight_sync": self.weight_sync.state_dict(),
+            }
+
+    def load_async_state(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            return
+        if not self.asynchronous:
+            raise ValueError(
+                "This checkpoint was written with rollout_mode: async and holds queued rounds; "
+                "resume it with model.init_args.rollout_mode: async (or start a new run)."
+            )
+        self.rollout_queue.load_state_dict(state["queue"])
+        self.weight_sync.load_state_dict(state["weight_sync"])
