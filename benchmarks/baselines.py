@@ -68,7 +68,8 @@ def _probe_pass_rate_corr(module: Any, data: Any, args: argparse.Namespace) -> f
     head = module.probe_head
     if head is None or not head.fitted:
         return None
-    batch = next(iter(data.val_dataloader()))
+    loaders = data.val_dataloader()  # a list when the paraphrased split is on: take val
+    batch = next(iter(loaders[0] if isinstance(loaders, list) else loaders))
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, group_size=args.k)
     with torch.no_grad():
         rollouts = module.rollout(batch, sampling)

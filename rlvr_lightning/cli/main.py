@@ -102,7 +102,8 @@ class RLVRCLI(LightningCLI):
     def _evaluate(self) -> dict[str, float]:
         results = self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
         reset_metric_states(self.model)
-        return {k: float(v) for k, v in (results[0] if results else {}).items()}
+        # One dict per validation loader (RLVRDataModule: val, then val asked in other words).
+        return {k: float(v) for result in results for k, v in result.items()}
 
     def fit(self, model: RLVRModule, **kwargs: Any) -> None:
         # `ckpt_path: last` is meant to be set once and kept ("resume if there is one"); on the

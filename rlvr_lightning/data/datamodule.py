@@ -20,20 +20,25 @@ from typing_extensions import override
 from rlvr_lightning.algorithms.outcomes import sampled_rows
 from rlvr_lightning.data.composition import StepComposer
 from rlvr_lightning.data.curriculum import VarianceCurriculum
-from rlvr_lightning.data.loaders import eval_loader, train_loader
+from rlvr_lightning.data.evaluation import EvalLoaders
+from rlvr_lightning.data.loaders import train_loader
 from rlvr_lightning.data.mixture import (
     AnswerFormat,
     SourceName,
     SourceSpec,
     apply_answer_format,
     checked_specs,
-    load_test_examples,
     mixture_splits,
     source_as_str,
     test_specs,
 )
+from rlvr_lightning.data.phrasing import (
+    check_disjoint,
+    instruction_list,
+    paraphrased_split,
+    pick_instructions,
+)
 from rlvr_lightning.data.prompt_limit import (
-    drop_long_prompts,
     limit_prompts,
     token_counter,
 )
@@ -52,7 +57,7 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
-class RLVRDataModule(pl.LightningDataModule):
+class RLVRDataModule(EvalLoaders):
     """Prompts for RLVR from built-in tasks, reasoning-gym tasks or dataset files.
 
     Training is an endless stream of ``PromptBatch``es (the Trainer's ``max_steps`` decides the
@@ -89,6 +94,12 @@ class RLVRDataModule(pl.LightningDataModule):
             (4096); without such a module, None keeps all.
         system_prompt: content of a system message placed before every prompt.
         instruction: text appended to every question after a blank line; ``null`` for none.
+            A list: each training prompt gets one drawn afresh every step (seeded), and
+            validation, test and predict use the first.
+        paraphrased_val: a second validation split, the held-out problems of the built-in
+            arithmetic tasks asked in other words (``data/phrasing.py``), logged as
+            ``val/<metric>_paraphrased``; None (default): on when a source is ``addition`` or
+            ``multiplication``.
         test_source: what the ``test`` subcommand evaluates (same forms as ``source``); when
             unset, the ``test_split`` of every source that has splits (Hub ids, repository
             folders).
@@ -113,7 +124,8 @@ class RLVRDataModule(pl.LightningDataModule):
         answer_format: AnswerFormat = "plain",
         max_prompt_tokens: int | None = None,
         system_prompt: str | None = None,
-        instruction: str | None = "Put the final answer in \\boxed{}.",
+        instruction: str | list[str] | None = "Put the final answer in \\boxed{}.",
+        paraphrased_val: bool | None = None,
         prompts_per_step: int = 8,
         val_prompts_per_batch: int = 64,
         test_source: list[SourceSpec] | SourceName | os.PathLike | None = None,
@@ -144,11 +156,16 @@ class RLVRDataModule(pl.LightningDataModule):
         self.val_source, self.train_size, self.val_size = val_source, train_size, val_size
         self.max_prompt_tokens = max_prompt_tokens
         self.system_prompt, self.instruction = system_prompt, instruction
+        self.instructions = instruction_list(instruction)  # [text]; [None]: no instruction
+        self.paraphrased_val = paraphrased_val
+        if paraphrased_val is not False:
+            check_disjoint([text for text in self.instructions if text])
         self.prompts_per_step, self.val_prompts_per_batch = prompts_per_step, val_prompts_per_batch
         self.seed = seed
         self.composer = StepComposer(replay, curriculum, stats_history, seed)
         self.train_examples: list[Example] = []
         self.val_examples: list[Example] = []
+        self.paraphrased_examples: list[Example] = []  # val asked in other words (phrasing.py)
         self.test_examples: list[Example] = []
         self._restored_num_train: int | None = None
         self.skipped_long_prompts: dict[str, int] = {}  # per split, set at setup
@@ -210,6 +227,10 @@ class RLVRDataModule(pl.LightningDataModule):
         # Every stage needs both splits: validation is defined as what training does not see.
         if not self.train_examples:
             self.train_examples, self.val_examples = self._build_splits()
+            builtin = any(spec.source in ("addition", "multiplication") for spec in self.specs)
+            self.paraphrased_examples = paraphrased_split(
+                self.val_examples, self.paraphrased_val, builtin, self.seed
+            )
             self.composer.start(self.train_examples)
         self._check_reward_columns()
 
@@ -241,9 +262,15 @@ class RLVRDataModule(pl.LightningDataModule):
         return train, val
 
     def _prompt_limit(self) -> tuple[int, str] | None:
-        """The prompt token limit and the reason the warning gives; None: no limit."""
+        """The prompt token limit and the reason the warning gives; None: no limit. With
+        several instructions, the lowest: every prompt must fit with any of them."""
         module = None if self.trainer is None else self.trainer.lightning_module
-        return prompt_limit(module, self.max_prompt_tokens, self.system_prompt, self.instruction)
+        limits = [
+            prompt_limit(module, self.max_prompt_tokens, self.system_prompt, text)
+            for text in self.instructions
+        ]
+        known = [limit for limit in limits if limit is not None]
+        return min(known, key=lambda limit: limit[0]) if known else None
 
     def _token_counter(self) -> Callable[[str], int]:
         tokenizer = getattr(getattr(self.trainer, "lightning_module", None), "tokenizer", None)
@@ -255,7 +282,12 @@ class RLVRDataModule(pl.LightningDataModule):
         return self.trainer.global_rank, self.trainer.world_size
 
     def _collate(self, examples: Sequence[Example]) -> PromptBatch:
-        return collate_examples(examples, self.system_prompt, self.instruction)
+        """Training prompts, each with one of the instructions (drawn per step when several)."""
+        texts: str | list[str | None] | None = self.instructions[0]
+        if len(self.instructions) > 1:
+            drawn = pick_instructions(examples, self.instructions, self.seed, self.composer.steps)
+            texts = list(drawn)
+        return collate_examples(examples, self.system_prompt, texts)
 
     # --- step composition ----------------------------------------------------------------
 
@@ -300,44 +332,6 @@ class RLVRDataModule(pl.LightningDataModule):
             )
         stream = PromptStream(self.compose_step, lazy=isinstance(self.trainer, pl.Trainer))
         return train_loader(stream, self.seed)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        self.setup("validate")
-        return self._eval_loader(self.val_examples)
-
-    def _eval_loader(self, examples: list[Example]) -> DataLoader:
-        size = self.val_prompts_per_batch
-        batches = [self._collate(examples[i : i + size]) for i in range(0, len(examples), size)]
-        return eval_loader(batches, self.seed)
-
-    def load_test(self) -> list[Example]:
-        """The test set (``test_source``, or the ``test_split`` of the sources), loaded once;
-        prompts over the prompt limit are skipped as in training."""
-        if not self.test_examples:
-            specs = self._test_specs or test_specs(
-                self.specs, None, self.test_split, self.specs[0].answer_format
-            )
-            examples = load_test_examples(specs)
-            limit = self._prompt_limit()
-            if limit is not None:
-                examples = drop_long_prompts(
-                    examples, self._token_counter(), *limit[:1], "test", limit[1]
-                )
-            self.test_examples = examples
-        return self.test_examples
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        self.setup("test")
-        return self._eval_loader(self.load_test())
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        self.setup("predict")
-        return self._eval_loader(
-            self.load_test() if self.predict_on == "test" else self.val_examples
-        )
 
     # --- what the module reports -----------------------------------------------------------
 

@@ -42,16 +42,30 @@ def example_messages(
 
 
 def collate_examples(
-    examples: Sequence[Example], system_prompt: str | None, instruction: str | None
+    examples: Sequence[Example],
+    system_prompt: str | None,
+    instruction: str | Sequence[str | None] | None,
 ) -> PromptBatch:
     """A ``PromptBatch`` of examples; a column missing from some examples is ``None`` there.
+
+    ``instruction`` is one text for every example or a list of one per example.
 
     The ``prompts`` column is what reward functions get as ``prompts`` (TRL's meaning): the
     user turn's text for a text prompt, the message list for a conversation, both with the
     system prompt and instruction applied and no chat template.
     """
     names = list(dict.fromkeys(name for e in examples for name in e.columns))
-    messages = [example_messages(e, system_prompt, instruction) for e in examples]
+    per_example = (
+        [instruction] * len(examples)
+        if instruction is None or isinstance(instruction, str)
+        else list(instruction)
+    )
+    if len(per_example) != len(examples):
+        raise ValueError(f"{len(per_example)} instructions for {len(examples)} examples.")
+    messages = [
+        example_messages(e, system_prompt, text)
+        for e, text in zip(examples, per_example, strict=True)
+    ]
     columns = {name: [e.columns.get(name) for e in examples] for name in names}
     columns["prompts"] = [
         m[-1]["content"] if e.messages is None else m

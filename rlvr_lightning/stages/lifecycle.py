@@ -65,6 +65,16 @@ def plain_hparam(value: Any) -> Any:
     return value
 
 
+def val_split_name(trainer: pl.Trainer, dataloader_idx: int) -> str:
+    """Name of validation loader ``dataloader_idx``: the data module's ``val_split_names``
+    (``RLVRDataModule``: ``""``, then ``paraphrased``), else ``""`` for the first loader and
+    ``dataloader_idx_N`` for the others."""
+    names = getattr(getattr(trainer, "datamodule", None), "val_split_names", None)
+    if names is not None and dataloader_idx < len(names):
+        return names[dataloader_idx]
+    return f"dataloader_idx_{dataloader_idx}" if dataloader_idx else ""
+
+
 class StepLifecycle(pl.LightningModule):
     """Validation, prediction, optimisation and checkpoint hooks of ``RLVRModule``."""
 
@@ -121,48 +131,71 @@ class StepLifecycle(pl.LightningModule):
 
     # ---- validation ------------------------------------------------------------------------
 
-    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_metrics)
+    def validation_step(self, batch: PromptBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        split = val_split_name(self.trainer, dataloader_idx)
+        if not split:
+            self._evaluate(batch, "val", "val_metrics")
+            return
+        if "val_split_metrics" not in self._modules:
+            self.val_split_metrics = torch.nn.ModuleDict()
+        if split not in self.val_split_metrics:  # made on first use; states not checkpointed
+            metrics = EvalMetrics(self.val_sampling.group_size).to(self.device)
+            self.val_split_metrics[split] = metrics
+        self._evaluate(batch, "val", f"val_split_metrics.{split}", f"_{split}")
 
     def test_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_metrics)
+        self._evaluate(batch, "test", "test_metrics")
 
-    def _evaluate(self, batch: PromptBatch, stage: str, metrics: EvalMetrics) -> None:
+    def _evaluate(self, batch: PromptBatch, stage: str, attribute: str, suffix: str = "") -> None:
         """Greedy accuracy and reward, plus pass@k of ``val_sampling`` when it samples k > 1
-        (the unbiased estimator; its interval is logged at the epoch's end)."""
+        (the unbiased estimator; its interval is logged at the epoch's end), into the
+        ``EvalMetrics`` at ``attribute``. ``suffix`` ends every name
+        (``val/accuracy_paraphrased``); names carry no ``/dataloader_idx_N``."""
+        metrics: EvalMetrics = self.get_submodule(attribute)  # type: ignore[assignment]
+
+        def emit(name: str, field: str, **kwargs: Any) -> None:
+            # The metric's attribute is named: Lightning looks them up once, maybe before a
+            # split's metrics exist.
+            self.log(
+                f"{stage}/{name}{suffix}", getattr(metrics, field), batch_size=len(batch),
+                add_dataloader_idx=False, metric_attribute=f"{attribute}.{field}", **kwargs,
+            )  # fmt: skip
+
         greedy = Sampling(
             max_new_tokens=self.val_sampling.max_new_tokens, temperature=0.0, group_size=1
         )
         scored = self.score(batch, self.rollout(batch, greedy))
         metrics.accuracy.update(scored.correct.float())
         metrics.reward.update(scored.rewards)
-        self.log(f"{stage}/accuracy", metrics.accuracy, prog_bar=True, batch_size=len(batch))
+        emit("accuracy", "accuracy", prog_bar=True)
+        emit("reward", "reward")
         for key in ("first_turn_accuracy", "turns"):  # multi-turn: the first answer, turns used
             if f"multiturn/{key}" in scored.metrics:
+                value = scored.metrics[f"multiturn/{key}"]
                 self.log(
-                    f"{stage}/{key}", scored.metrics[f"multiturn/{key}"], batch_size=len(batch)
+                    f"{stage}/{key}{suffix}", value, batch_size=len(batch), add_dataloader_idx=False
                 )
-        self.log(f"{stage}/reward", metrics.reward, batch_size=len(batch))
         if metrics.pass_at_k is not None:
             sampled = self.score(batch, self.rollout(batch, self.val_sampling))
             metrics.pass_at_k.update(sampled.correct.view(len(batch), -1))
-            name = f"{stage}/pass@{metrics.pass_at_k.k}"
-            self.log(name, metrics.pass_at_k, batch_size=len(batch))
+            emit(f"pass@{metrics.pass_at_k.k}", "pass_at_k")
 
     def on_validation_epoch_end(self) -> None:
         self._log_pass_at_k_summary("val", self.val_metrics)
+        for split, metrics in getattr(self, "val_split_metrics", {}).items():
+            self._log_pass_at_k_summary("val", metrics, f"_{split}")
 
     def on_test_epoch_end(self) -> None:
         self._log_pass_at_k_summary("test", self.test_metrics)
 
-    def _log_pass_at_k_summary(self, stage: str, metrics: EvalMetrics) -> None:
+    def _log_pass_at_k_summary(self, stage: str, metrics: EvalMetrics, suffix: str = "") -> None:
         """``<stage>/pass@k_ci95_low``, ``_ci95_high``, ``_prompts``, ``_samples`` beside the
-        pass@k itself (its metric is reset after this hook, by Lightning)."""
+        pass@k itself (its metric is reset after this hook, by Lightning), then ``suffix``."""
         pass_k = metrics.pass_at_k
         if pass_k is None or not pass_k.update_called:
             return
         for key, value in pass_k.summary().items():
-            self.log(f"{stage}/pass@{pass_k.k}_{key}", value)
+            self.log(f"{stage}/pass@{pass_k.k}_{key}{suffix}", value)
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> list[dict[str, Any]]:
         """One record per prompt: its ``val_sampling.group_size`` completions with every

@@ -109,7 +109,7 @@ def test_lightning_does_not_replace_the_sampler_of_the_prompt_stream():
     assert prepared.dataset is train.dataset  # our stream, grouping and order untouched
     assert not isinstance(prepared.sampler, DistributedSampler)
     # The hazard it avoids: a map-style dataset of prompts would be re-split by a sampler.
-    val = prepare(dm.val_dataloader(), shuffle=False, mode=RunningStage.VALIDATING)
+    val = prepare(dm.val_dataloader()[0], shuffle=False, mode=RunningStage.VALIDATING)
     assert isinstance(val.sampler, DistributedSampler)
 
 

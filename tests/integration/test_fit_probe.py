@@ -70,7 +70,7 @@ def test_probe_fit_with_g2_runs_past_the_bootstrap_and_the_checkpoint_restores_i
         cli.model.policy, cli.model.tokenizer, tmp_path / "model", heads=module_heads(cli.model)
     )
     loaded = ProbeHead.from_pretrained(tmp_path / "model")
-    batch = next(iter(cli.datamodule.val_dataloader()))
+    batch = next(iter(cli.datamodule.val_dataloader()[0]))  # [1]: val asked in other words
     rows = cli.model.rollout(batch)
     policy = cli.model.policy
     torch.testing.assert_close(

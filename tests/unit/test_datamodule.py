@@ -122,8 +122,10 @@ def test_ranks_get_disjoint_slices_of_each_step():
 
 def test_val_batches_are_fixed_ordered_and_sized():
     dm = make_dm(val_prompts_per_batch=16)
-    batches = list(dm.val_dataloader())
+    val, paraphrased = dm.val_dataloader()  # addition: val, then val asked in other words
+    batches = list(val)
     assert [len(b) for b in batches] == [16, 16, 16, 2]
+    assert [len(b) for b in paraphrased] == [16, 16, 16, 2]
     flat = list(itertools.chain.from_iterable(b.prompt_ids for b in batches))
     assert flat == [e.prompt_id for e in dm.val_examples]
     assert [b.prompt_ids for b in dm.predict_dataloader()] == [b.prompt_ids for b in batches]
