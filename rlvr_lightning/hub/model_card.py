@@ -282,7 +282,8 @@ def checkpoint_facts(checkpoint: Mapping[str, Any], module: Any) -> RunFacts:
 
 
 _DETAIL = re.compile(
-    r"^(?P<key>.+/pass@\d+)_(?:ci(?P<level>\d+)_(?P<end>low|high)|(?P<count>prompts|samples))$"
+    r"^(?P<key>.+/pass@\d+)_(?:ci(?P<level>\d+)_(?P<end>low|high)|(?P<count>prompts|samples))"
+    r"(?P<split>_[a-z]+)?$"  # a validation split's suffix (``_paraphrased``)
 )
 
 
@@ -298,7 +299,7 @@ def split_details(metrics: Mapping[str, float] | None) -> tuple[dict[str, float]
         if match is None:
             main[key] = value
             continue
-        part = parts.setdefault(match["key"], {"level": "95"})
+        part = parts.setdefault(match["key"] + (match["split"] or ""), {"level": "95"})
         part[match["end"] or match["count"]] = value
         part["level"] = match["level"] or part["level"]
     return main, {key: _interval_note(part) for key, part in parts.items()}

@@ -79,4 +79,7 @@ def test_on_policy_ratio_is_exactly_one_with_dropout_off(tmp_path, keep_dropout)
     else:
         assert dropouts and set(dropouts) == {0.0}
         assert cli.model.policy.config.attn_pdrop == 0.0
-        assert torch.equal(ratios, torch.ones_like(ratios)), torch.cat(log_ratios).abs().max()
+        # 1 up to float rounding: SDPA (the attention the fast-path measurement or the
+        # reference mode picks here) may take another kernel with and without grad, ~5e-7;
+        # dropout's deviations are 0.01-3.9 (the branch above).
+        assert (ratios - 1).abs().max() < 1e-5, torch.cat(log_ratios).abs().max()
