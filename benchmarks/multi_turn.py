@@ -18,6 +18,7 @@ same steps (its first-turn accuracy says whether the first attempt itself improv
     python benchmarks/multi_turn.py                        # 3 seeds x 4 variants, ~1 h on 2 cores
     python benchmarks/multi_turn.py --seeds 0 --steps 4 --val-size 8   # a quick look
     python benchmarks/multi_turn.py --variants single@2,feedback@2
+    python benchmarks/multi_turn.py --set='--data.init_args.task_config={digits: 1}'  # easier sums
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def run(variant: str, seed: int, args: argparse.Namespace, folder: Path) -> dict
         f"--seed_everything={seed}", f"--trainer.max_steps={args.steps}",
         f"--trainer.default_root_dir={root}", f"--trainer.logger.init_args.save_dir={root}",
         f"--data.init_args.val_size={args.val_size}",
-        f"--data.init_args.val_prompts_per_batch={args.val_size}", *extra,
+        f"--data.init_args.val_prompts_per_batch={args.val_size}", *extra, *args.set,
     ]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=root.parent)
@@ -116,6 +117,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--val-size", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a CLI override for every run, e.g. --set='--data.init_args.task_config={digits: 1}'",
+    )  # fmt: skip
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict[str, list[dict[str, float]]] = {}
