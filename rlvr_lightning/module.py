@@ -117,8 +117,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
             asynchrony=opt.Asynchrony(rollout_mode, max_staleness, deterministic_schedule),
         )  # fmt: skip
         self.sampling, self.val_sampling = (
-            opt.as_group(Sampling, sampling),
-            opt.as_group(Sampling, val_sampling),
+            opt.as_group(Sampling, s) for s in (sampling, val_sampling)
         )
         heads = (value_head, probe_head)
         self._build(policy, dtype, keep_dropout, get_preset(algorithm), estimator, *heads)

@@ -323,9 +323,8 @@ def card_context(
 ) -> dict[str, Any]:
     """Everything a template may use: ``metadata`` (YAML), recipe, results, usage, citations;
     ``base_model`` (the export's ``--base-model``) replaces the policy as the base's name."""
-    hparams = facts.hparams
+    hparams, source = facts.hparams, str(facts.data_hparams.get("source", "unknown"))
     recipe = _recipe(hparams)
-    source = str(facts.data_hparams.get("source", "unknown"))
     (before, before_notes), (after, after_notes) = map(split_details, record.before_after())
     base_model = public_base_model(base_model or str(hparams.get("policy", "")))
     dataset_type = Path(source).stem if os.path.isabs(source) else source

@@ -13,7 +13,7 @@ import torch
 
 from rlvr_lightning.cli.main import build_cli
 from rlvr_lightning.data import RLVRDataModule
-from rlvr_lightning.testing import quiet_trainer, tiny_module
+from rlvr_lightning.testing import checkpointing_args, quiet_trainer, tiny_module
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.yaml")
@@ -122,22 +122,20 @@ def _cli(root: Path, *extra: str):
     return c
 
 
-def _ckpt_flags(dirpath: Path) -> list[str]:
-    return [
-        "--trainer.enable_checkpointing=true",
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={dirpath}",
+def _ckpt_flags(root: Path) -> list[str]:
+    """``last.ckpt`` under ``<root>/ckpt``, written only on a signal (and at the end)."""
+    more = [
         "--trainer.callbacks.every_n_train_steps=100",
-        "--trainer.callbacks.save_last=true",
         "--trainer.callbacks.save_on_exception=true",
     ]
+    return [*checkpointing_args(root), *more]
 
 
 def test_a_multi_turn_run_resumed_mid_run_is_bit_identical(tmp_path) -> None:
     full = _cli(tmp_path / "full")
     full.trainer.fit(full.model, datamodule=full.datamodule)
     assert full.model.last_step.metrics["multiturn/turns"] > 1.0  # feedback turns happened
-    c = _cli(tmp_path / "cut", *_ckpt_flags(tmp_path / "c"))
+    c = _cli(tmp_path / "cut", *_ckpt_flags(tmp_path / "cut"))
     calls, original = [0], c.model.score
 
     def score(*args, **kwargs):  # SIGINT as step 2's rollouts are scored
@@ -149,9 +147,9 @@ def test_a_multi_turn_run_resumed_mid_run_is_bit_identical(tmp_path) -> None:
     c.model.score = score
     with pytest.raises(SystemExit):
         c.trainer.fit(c.model, datamodule=c.datamodule)
-    last = tmp_path / "c" / "last.ckpt"
+    last = tmp_path / "cut" / "ckpt" / "last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 2
-    resumed = _cli(tmp_path / "cut", *_ckpt_flags(tmp_path / "c"))
+    resumed = _cli(tmp_path / "cut", *_ckpt_flags(tmp_path / "cut"))
     resumed.trainer.fit(resumed.model, datamodule=resumed.datamodule, ckpt_path=last)
     a, b = full.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys()
