@@ -24,15 +24,14 @@ same steps (its first-turn accuracy says whether the first attempt itself improv
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import fit, mean_sd
+
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "single@2": (
         "execution_feedback.yaml",
@@ -50,53 +49,37 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 def run(variant: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[str, float]:
     """One fit through the CLI; its logged metrics, read back from the CSV logger."""
     config, extra = VARIANTS[variant]
-    root = folder / f"{variant}-{seed}"
-    cmd = [
-        sys.executable, "-m", "rlvr_lightning.cli.command", "fit",
-        "--config", str(ROOT / "configs" / config),
+    overrides = [
         f"--seed_everything={seed}", f"--trainer.max_steps={args.steps}",
-        f"--trainer.default_root_dir={root}", f"--trainer.logger.init_args.save_dir={root}",
         f"--data.init_args.val_size={args.val_size}",
         f"--data.init_args.val_prompts_per_batch={args.val_size}", *extra, *args.set,
     ]  # fmt: skip
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root.parent)
-    if done.returncode != 0:
-        raise SystemExit(f"{variant} seed {seed} failed:\n{done.stderr[-3000:]}")
-    metrics = read_metrics(root)
-    metrics["wall_s"] = time.perf_counter() - start
+    series, wall = fit(config, folder / f"{variant}-{seed}", overrides)
+    metrics = summarise(series)
+    metrics["wall_s"] = wall
     return metrics
 
 
-def read_metrics(root: Path) -> dict[str, float]:
+def summarise(series: dict[str, list[float]]) -> dict[str, float]:
     """The run's numbers: validation before (first row) and after (last row), training means."""
-    rows = list(csv.DictReader(next(root.rglob("metrics.csv")).open()))
+    nan = float("nan")
 
-    def series(key: str) -> list[float]:
-        return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+    def mean(key: str, default: float = nan) -> float:
+        return statistics.fmean(series[key]) if series.get(key) else default
 
-    def mean(key: str) -> float:
-        values = series(key)
-        return statistics.fmean(values) if values else float("nan")
-
-    val = series("val/accuracy")
-    first = series("val/first_turn_accuracy")
-    trained, seen = series("train/multiturn/tokens_trained"), series("train/multiturn/tokens_seen")
+    val = series.get("val/accuracy", [])
+    first = series.get("val/first_turn_accuracy", [])
+    trained = series.get("train/multiturn/tokens_trained", [])
+    seen = series.get("train/multiturn/tokens_seen", [])
     return {
-        "val_before": val[0] if val else float("nan"),
-        "val_after": val[-1] if val else float("nan"),
-        "first_turn_after": first[-1] if first else (val[-1] if val else float("nan")),
-        "turns": mean("train/multiturn/turns") if series("train/multiturn/turns") else 1.0,
-        "tool_calls": mean("train/multiturn/tool_calls") if trained else 0.0,
+        "val_before": val[0] if val else nan,
+        "val_after": val[-1] if val else nan,
+        "first_turn_after": first[-1] if first else (val[-1] if val else nan),
+        "turns": mean("train/multiturn/turns", 1.0),
+        "tool_calls": mean("train/multiturn/tool_calls", 0.0),
         "trained_share": sum(trained) / sum(seen) if seen else 1.0,
         "step_s": mean("train/step_time_s"),
     }
-
-
-def mean_sd(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 COLUMNS = ("val_before", "val_after", "first_turn_after", "turns", "tool_calls",

@@ -40,6 +40,7 @@ from rlvr_lightning.cli.help import KeysFirstFormatter, subcommand_kwargs
 from rlvr_lightning.cli.overview import COMMANDS, TRAINER_COMMANDS, print_overview
 from rlvr_lightning.cli.watchers import COMPLETIONS_ROWS, with_completions_table, with_watchers
 from rlvr_lightning.data import RLVRDataModule
+from rlvr_lightning.device import measured_precision
 from rlvr_lightning.module import RLVRModule
 from rlvr_lightning.options import GROUPS
 from rlvr_lightning.runtime import checkpoint_files, checkpointing
@@ -60,6 +61,14 @@ class RLVRCLI(LightningCLI):
             type=bool,
             default=False,
             help="fit only: validate before and after training and compare.",
+        )
+        parser.add_argument(
+            "--choose_precision",
+            type=bool,
+            default=False,
+            help="time the update's products in fp32 and bf16 on the policy's shapes and set "
+            "trainer.precision to the faster one that agrees (bf16-mixed or 32-true), once per "
+            "machine (cached); the choice is logged and on the model card's hardware line.",
         )
         parser.add_argument(
             "--log_completions",
@@ -91,6 +100,9 @@ class RLVRCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         config = {**config, "plugins": checkpointing.with_atomic_io(config.get("plugins"))}
+        if self._setting("choose_precision"):
+            config["precision"] = measured_precision(self.model.policy)
+            rank_zero_info(f"choose_precision: trainer.precision={config['precision']} (measured)")
         callbacks = with_step_progress(config, checkpointing.with_guard(callbacks))
         callbacks = with_watchers(config, callbacks)  # MemoryGuard, CollectiveWatch
         if self.subcommand == "predict":
@@ -116,7 +128,7 @@ class RLVRCLI(LightningCLI):
         self.trainer.fit(model, **kwargs)
 
     def before_fit(self) -> None:
-        self._before = self._evaluate() if self._flag() else None
+        self._before = self._evaluate() if self._setting("evaluate_before_after") else None
 
     def after_fit(self) -> None:
         if self._before is None or self.trainer.interrupted:
@@ -127,8 +139,10 @@ class RLVRCLI(LightningCLI):
             b, a = self._before.get(key, float("nan")), after.get(key, float("nan"))
             print(f"  {key:<24} {b:8.4f} -> {a:8.4f}  ({a - b:+.4f})")
 
-    def _flag(self) -> bool:
-        return bool(self.config.get(self.subcommand, {}).get("evaluate_before_after", False))
+    def _setting(self, name: str) -> bool:
+        """A top-level flag of this CLI (under the subcommand when there is one)."""
+        config = self.config.get(self.subcommand, {}) if self.subcommand else self.config
+        return bool(config.get(name, False))
 
 
 def with_step_progress(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from rlvr_lightning.device import attention, cpu_linear, fast_paths, lean_layers
+from rlvr_lightning.device import (
+    attention,
+    cpu_linear,
+    fast_paths,
+    lean_layers,
+    precision_choice,
+)
 from rlvr_lightning.device.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
 from rlvr_lightning.device.decode_head import fp32_head_by_blocks, head_by_blocks
 from rlvr_lightning.device.forward import (
@@ -49,6 +55,7 @@ __all__ = [
     "head_by_blocks",
     "head_logprobs",
     "lm_head_inputs",
+    "measured_precision",
     "prepare_model",
     "prompt_pass",
     "release_free_pages",
@@ -81,6 +88,12 @@ def prepare_model(model: nn.Module, device_type: str = "cpu") -> nn.Module:
         _unprepare(model)
     object.__setattr__(model, _PREPARED, device_type)
     return model
+
+
+def measured_precision(model: nn.Module) -> str:
+    """``"bf16-mixed"`` or ``"32-true"``: the precision whose update products ran faster on
+    ``model``'s shapes on this machine, values checked (``precision_choice``; cached)."""
+    return precision_choice.choose(model)
 
 
 def fast_path_choices() -> dict[str, str]:

@@ -2,21 +2,56 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
 
-from rlvr_lightning.rewards.math import extract_boxed
+from rlvr_lightning.rewards.math import (
+    BOX_OPEN,
+    as_number,
+    committed_boxed,
+    normalize_gold,
+    unevaluated,
+)
 from rlvr_lightning.rewards.trl_contract import Completion, completion_text
 
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 
-def boxed_format(completions: list[Completion], **_: object) -> list[float | None]:
-    r"""1.0 when the completion contains a non-empty ``\boxed{}``, else 0.0.
 
-    >>> boxed_format([r"\boxed{3}", r"\boxed{ }", "3"])
-    [1.0, 0.0, 0.0]
+def boxed_format(
+    completions: list[Completion], answer: Sequence[object] | None = None, **_: object
+) -> list[float | None]:
+    r"""1.0 when the completion commits to one boxed answer of the right kind, else 0.0.
+
+    A box pays when it is non-empty, every box agrees (``committed_boxed``), none is nested in
+    another and it is not a restated computation (``4 + 4``); where the row's gold ``answer`` is
+    a plain number, the box must hold a number too. Paying any box taught the policy to box
+    anything (``\boxed{4 \times \boxed{4}}``, issue 40); this rule is this project's choice.
+
+    >>> boxed_format([r"\boxed{3}", r"\boxed{ }", "3", r"\boxed{2+1}", r"\boxed{x}"])
+    [1.0, 0.0, 0.0, 0.0, 1.0]
+    >>> boxed_format([r"\boxed{x}", r"\boxed{1 \boxed{3}}", r"\boxed{\frac{6}{2}}"], answer=["3"] * 3)
+    [0.0, 0.0, 1.0]
     """
-    return [float(bool((extract_boxed(completion_text(c)) or "").strip())) for c in completions]
+    golds = [None] * len(completions) if answer is None else answer
+    texts = map(completion_text, completions)
+    return [float(boxed_answer_shape(c, g)) for c, g in zip(texts, golds, strict=True)]
+
+
+def boxed_answer_shape(text: str, gold: object = None) -> bool:
+    """Whether ``text``'s committed box holds an answer (``boxed_format``'s rule), for ``gold``."""
+    box = (committed_boxed(text) or "").strip()
+    if not box or BOX_OPEN.search(box) or unevaluated(box):
+        return False
+    numeric_gold = gold is not None and as_number(normalize_gold(gold)) is not None
+    return not numeric_gold or _numeric(box)
+
+
+def _numeric(box: str) -> bool:
+    r"""A number written plainly or in LaTeX (``\frac{1}{2}``): digits, no words."""
+    bare = _LATEX_COMMAND.sub("", box)
+    return any(c.isdigit() for c in bare) and not any(c.isalpha() for c in bare)
 
 
 def _check_overlong_args(max_len: int, buffer_len: int, factor: float) -> None:

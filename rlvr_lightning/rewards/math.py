@@ -17,7 +17,7 @@ from fractions import Fraction
 from rlvr_lightning.rewards.isolation import run_in_process
 from rlvr_lightning.rewards.trl_contract import Completion, completion_text
 
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A minus sign binds to a number only when it does not follow a word character, so "5-3" yields
 # "3" and a date "2024-01-02" yields "02" rather than negative numbers. Every match holds a
 # digit: a pattern of optional parts would match an empty string at every position of the text.
@@ -74,7 +74,7 @@ def boxed_contents(text: str) -> list[str]:
     ['1', '\\frac{1}{2}']
     """
     found, pos, pairs = [], 0, None
-    while (match := _BOX_OPEN.search(text, pos)) is not None:
+    while (match := BOX_OPEN.search(text, pos)) is not None:
         # A box's "{" never follows a backslash, so matching from the first box on is exact.
         pairs = _closing_braces(text, match.end() - 1) if pairs is None else pairs
         end = pairs.get(match.end() - 1)
@@ -156,7 +156,7 @@ def normalize_gold(answer: object) -> str:
     return _THOUSANDS_COMMA.sub("", text.strip())
 
 
-def _as_number(text: str) -> Fraction | None:
+def as_number(text: str) -> Fraction | None:
     """Exact value of a plain int, decimal or simple fraction, None for anything else."""
     cleaned = _THOUSANDS_COMMA.sub("", text.strip().replace("\u2212", "-")).rstrip(".")
     if not _PLAIN_NUMBER.fullmatch(cleaned):
@@ -219,12 +219,16 @@ def answers_match(pred: str, gold: str) -> bool:
     through math-verify. When the gold answer is a plain number, a prediction that is an
     unevaluated computation (``unevaluated``: ``4 + 4`` for 8) does not match, although
     math-verify would simplify it: otherwise a policy learns to box the question's own
-    arithmetic instead of answering it (this project's rule, seen on one-digit addition).
+    arithmetic instead of answering it (this project's rule, seen on one-digit addition). Nor
+    does a box nested in the prediction (``4 \boxed{8}`` for 8: math-verify reads the inner box,
+    so the outer one could hold anything).
 
     >>> answers_match("10.0", "10"), answers_match("\u22124", "-4"), answers_match("3", "4")
     (True, True, False)
     >>> answers_match(r"\frac{1}{2}", "0.5"), answers_match("4 + 4", "8")
     (True, False)
+    >>> answers_match(r"4 \boxed{8}", "8")
+    False
     """
     try:
         pred, gold = str(pred).strip(), str(gold).strip()
@@ -232,10 +236,10 @@ def answers_match(pred: str, gold: str) -> bool:
             return False
         if pred == gold:
             return True
-        pred_value, gold_value = _as_number(pred), _as_number(gold)
+        pred_value, gold_value = as_number(pred), as_number(gold)
         if pred_value is not None and gold_value is not None:
             return abs(pred_value - gold_value) <= _ABS_TOL
-        if gold_value is not None and unevaluated(pred):
+        if gold_value is not None and (unevaluated(pred) or BOX_OPEN.search(pred)):
             return False
         return _symbolic_match(pred, gold)
     except Exception:  # a grader crash on model output must not stop training

@@ -52,3 +52,12 @@ def test_group_size_one_is_rejected_with_a_fix():
 def test_unknown_algorithm_lists_the_choices():
     with pytest.raises(SystemExit):
         _cli("--model.init_args.algorithm=ppo2")
+
+
+@pytest.mark.parametrize("measured", ["bf16-mixed", "32-true"])
+def test_choose_precision_sets_the_trainer_precision_it_measured(measured):
+    from rlvr_lightning.device import fast_paths
+
+    with fast_paths.forced({"precision/float32": measured}):
+        cli = _cli("--choose_precision=true", "--trainer.precision=32-true")
+    assert cli.trainer.precision == measured

@@ -14,6 +14,8 @@ from rlvr_lightning.device import (
     cpu_linear,
     fast_path_choices,
     fast_paths,
+    measured_precision,
+    precision_choice,
     prepare_model,
 )
 from rlvr_lightning.testing import tiny_policy
@@ -206,3 +208,31 @@ def test_the_model_card_hardware_line_names_the_choices(monkeypatch):
     trainer = SimpleNamespace(strategy=strategy, num_devices=1, num_nodes=1, precision="32-true")
     line = hardware_line(trainer)
     assert line.endswith("precision 32-true, fast paths: toy/float32 fast (measured)"), line
+
+
+@pytest.mark.parametrize(
+    ("bf16_s", "expected"), [(0.4e-3, precision_choice.BF16), (0.99e-3, precision_choice.REFERENCE)]
+)
+def test_precision_follows_the_timings_of_its_real_products(monkeypatch, bf16_s, expected):
+    model, _ = tiny_policy(seed=0)
+    _mock_times(monkeypatch, {"32-true": 1e-3, "bf16-mixed": bf16_s, "torch": 1e-3, "onednn": 1})
+    assert measured_precision(model) == expected
+    made = fast_paths.chosen()["precision/float32"]
+    assert made.reference == "32-true"
+    assert 0 < made.errors["bf16-mixed"] < precision_choice.TOLERANCE  # rounded, and agrees
+
+
+def test_a_bf16_product_that_disagrees_keeps_fp32_however_fast(monkeypatch):
+    model, _ = tiny_policy(seed=0)
+    _mock_times(monkeypatch, {"32-true": 1.0, "bf16-mixed": 1e-6, "torch": 1.0, "onednn": 2.0})
+    wrong = precision_choice._bf16_products
+    monkeypatch.setattr(
+        precision_choice, "_bf16_products", lambda *a: tuple(t * 1.1 for t in wrong(*a))
+    )
+    assert measured_precision(model) == "32-true"
+
+
+def test_reference_mode_keeps_fp32(monkeypatch):
+    monkeypatch.setenv(fast_paths.ENV, "reference")
+    model, _ = tiny_policy(seed=0)
+    assert measured_precision(model) == "32-true"
