@@ -1,4 +1,4 @@
-"""Synchronous vs asynchronous rollouts (staleness 1 and 2), side by side.
+"""Synchronous vs asynchronous rollouts (staleness 1 and 2) vs partial rollouts, side by side.
 
 Same model, task, rewards, seed and number of optimiser steps for every mode, one after the
 other in this process. Prints per mode: trained samples per second of the fit, the trainer's
@@ -10,13 +10,18 @@ measured stage times as ``sum(gen + score + update) / sum(max(gen + score, updat
 On one CPU the in-process schedule takes turns (generate, then update), so async mode cannot
 be faster here; what it changes is which policy version drew the trained samples. Its wall
 time also holds the ``k`` rounds it generates before the first update (samples/s counts
-trained samples), which weighs on short runs. A partial-
-rollout mode (CoPRIS) is not built yet, so it is not in the table.
+trained samples), which weighs on short runs. ``partial`` is async with partial rollouts
+(CoPRIS: ``concurrent_rollouts`` = 2 x the step's prompts, ``--chunk`` tokens between counts of
+finished groups, ``max_staleness`` from ``--partial-staleness``): a step stops decoding once
+as many groups have finished as it trains, so the long tail is carried to the next step
+instead of waited for; its extra columns count rows written by two versions and rows dropped
+as too stale.
 
     python benchmarks/async_rollouts.py                 # smoke: tiny random model, seconds
     # Full size (the quickstart's workload with longer completions; ~15 min per mode on 2 cores):
     python benchmarks/async_rollouts.py --policy embedded:smollm2-135m-instruct \\
-        --steps 20 --prompts 8 --group-size 8 --max-new-tokens 128 --val-size 50 --lr 3e-5
+        --steps 20 --prompts 8 --group-size 8 --max-new-tokens 128 --val-size 50 --lr 3e-5 \\
+        --chunk 32 --partial-staleness 3
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from typing import Any
 
 from rlvr_lightning.stages.hooks import RLVRCallback
 
-MODES = {"sync": ("sync", 1), "async1": ("async", 1), "async2": ("async", 2)}
+MODES = {
+    "sync": ("sync", 1),
+    "async1": ("async", 1),
+    "async2": ("async", 2),
+    "partial": ("async", 0),
+}
 
 
 class Steps(RLVRCallback):
@@ -59,6 +69,9 @@ def build(args: argparse.Namespace, mode: str, staleness: int) -> tuple[Any, Any
     kwargs = grouped(
         functions=functions, lr=args.lr, micro_batch_size=args.prompts * args.group_size
     )
+    if staleness == 0:  # partial rollouts
+        kwargs.update(concurrent_rollouts=2 * args.prompts, partial_chunk_tokens=args.chunk)
+        staleness = args.partial_staleness
     module = RLVRModule(
         args.policy, sampling=sampling, rollout_mode=mode, max_staleness=staleness, **kwargs
     )
@@ -98,6 +111,8 @@ def run(args: argparse.Namespace, name: str) -> dict[str, float]:
         "len p95": lengths[int(0.95 * (len(lengths) - 1))],
         "len max": lengths[-1],
         "val acc": float(accuracy),
+        "cross-stage rows": sum(s.get("async/partial_cross_stage_rows", 0.0) for s in m),
+        "dropped rows": m[-1].get("async/dropped_rows", 0.0),
         "wall s": wall,
     }
 
@@ -113,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=16, help="partial: partial_chunk_tokens")
+    p.add_argument("--partial-staleness", type=int, default=2, help="partial: max_staleness")
     args = p.parse_args(argv)
     rows = {name: run(args, name) for name in args.modes.split(",")}
     columns = list(next(iter(rows.values())))

@@ -26,7 +26,7 @@ from rlvr_lightning.rewards.trl_contract import RewardState
 from rlvr_lightning.rollout.base import RolloutEngine
 from rlvr_lightning.rollout.factory import resolve_engine
 from rlvr_lightning.stages import build
-from rlvr_lightning.stages.asynchronous import AsyncStage
+from rlvr_lightning.stages.asynchronous import AsyncStage, RoundRollout
 from rlvr_lightning.stages.dynamic import DynamicStage, keep_first
 from rlvr_lightning.stages.generation import GenerationStage
 from rlvr_lightning.stages.hooks import run_hooks
@@ -74,7 +74,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
         engine_kwargs: constructor arguments of the engine (``HFEngine`` or ``VLLMEngine``).
         keep_dropout: keep the model's dropout; by default every rate is set to 0 at load, as
             TRL does (dropout makes ``pi / pi_old`` differ from 1 on on-policy tokens).
-        rollout_mode, max_staleness, deterministic_schedule: see ``options.Asynchrony``.
+        rollout_mode, max_staleness, deterministic_schedule, concurrent_rollouts,
+            partial_chunk_tokens: see ``options.Asynchrony``.
 
     Each group is a dataclass of ``rlvr_lightning.options`` (its own ``--help`` section).
     """
@@ -105,6 +106,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
         rollout_mode: Literal["sync", "async"] = "sync",
         max_staleness: int = 1,
         deterministic_schedule: bool = True,
+        concurrent_rollouts: int | None = None,
+        partial_chunk_tokens: int = 16,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -114,7 +117,8 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
         self.options = opt.Options.of(
             rewards=rewards, loss=loss, selection=selection, update=update, lora=lora,
             correction=correction, offpolicy=offpolicy, multiturn=multiturn,
-            asynchrony=opt.Asynchrony(rollout_mode, max_staleness, deterministic_schedule),
+            asynchrony=opt.Asynchrony(rollout_mode, max_staleness, deterministic_schedule,
+                                      concurrent_rollouts, partial_chunk_tokens),
         )  # fmt: skip
         self.sampling, self.val_sampling = (
             opt.as_group(Sampling, s) for s in (sampling, val_sampling)
@@ -129,6 +133,10 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
         )
         build.check_prompt_format(prompt_format, self.tokenizer, policy)
         resolve_engine(engine, policy)  # a missing vLLM is a setup error; built on first use
+        self._start_state()
+
+    def _start_state(self) -> None:
+        """What a run changes as it goes, at its start."""
         self._engine: RolloutEngine | None = None
         self._engine_synced_at = 0  # global step whose weights the engine holds
         self.val_metrics = EvalMetrics(self.val_sampling.group_size)
@@ -249,17 +257,24 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
         self._rollout_step += 1
         self._check_progress(self.global_step > optimiser_steps)
 
-    def generate_round(self, batch: PromptBatch) -> Scored:
+    def generate_round(
+        self, batch: PromptBatch, rollout: RoundRollout | None = None
+    ) -> Scored | None:
         """Rollout, score, then the ``on_after_score`` hooks, for one round of prompts.
 
         Dynamic sampling calls it again for each extra round, so the hooks see every group
         (with ``step_batch`` its prompts) before anything judges it informative: a group a hook
         rescues (e.g. an all-wrong one given its reference) is never thrown away first.
+        ``rollout`` (partial rollouts) returns the round's own prompts with its rows, or None
+        rows when nothing finished (then this returns None).
         """
         start = time.perf_counter()
         batch = self._run_hooks("on_before_generate", batch)
-        rollouts = self.rollout(batch)
+        batch, rollouts = (batch, self.rollout(batch)) if rollout is None else rollout(batch)
         generated = time.perf_counter()
+        if rollouts is None:
+            self._clock.add(gen=generated - start, score=0.0)
+            return None
         scored = self.score(batch, rollouts)
         self.step_batch = batch  # the prompts of the scored rows, for on_after_score hooks
         scored = self._run_hooks("on_after_score", scored)

@@ -6,6 +6,8 @@ The top layer: runtime code never imports it. The tiny model itself is ``models.
 
 from __future__ import annotations
 
+import json
+
 import lightning.pytorch as pl
 
 from rlvr_lightning.models.tiny import CHAT_TEMPLATE, byte_tokenizer, tiny_policy
@@ -22,6 +24,21 @@ def digit_fraction(completions: list[Completion], **_: object) -> list[float]:
     """
     texts = [completion_text(c) for c in completions]  # message lists on chat prompts
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in texts]
+
+
+def tool_call(name: str, **arguments: object) -> str:
+    """A model turn calling tool ``name`` in the fallback format (``environments.parse``)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first summand.
+        b: The second summand.
+    """
+    return a + b
 
 
 def tiny_module(**overrides: object):

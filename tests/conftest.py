@@ -54,3 +54,11 @@ def fit_error(capsys):
         return err
 
     return run
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny model's byte tokenizer (``models.tiny``), with its chat template."""
+    from rlvr_lightning.testing import byte_tokenizer
+
+    return byte_tokenizer()

@@ -244,6 +244,12 @@ class Options:
                 "rollout_mode: async with selection.dynamic_sampling: the extra rounds would be "
                 "generated at training time, by the newest policy; use one or the other."
             )
+        if self.asynchrony.partial and self.multiturn.enabled:
+            raise ValueError(
+                "concurrent_rollouts (partial rollouts) continues single-turn completions; "
+                "multi-turn trajectories are not continued across steps in this version. Use "
+                "rollout_mode: async without concurrent_rollouts (the delay line), or no tools."
+            )
 
 
 GROUPS: dict[str, type] = {

@@ -31,7 +31,8 @@ def boxed_format(
 
     >>> boxed_format([r"\boxed{3}", r"\boxed{ }", "3", r"\boxed{2+1}", r"\boxed{x}"])
     [1.0, 0.0, 0.0, 0.0, 1.0]
-    >>> boxed_format([r"\boxed{x}", r"\boxed{1 \boxed{3}}", r"\boxed{\frac{6}{2}}"], answer=["3"] * 3)
+    >>> golds = ["3"] * 3
+    >>> boxed_format([r"\boxed{x}", r"\boxed{1 \boxed{3}}", r"\boxed{\frac{6}{2}}"], answer=golds)
     [0.0, 0.0, 1.0]
     """
     golds = [None] * len(completions) if answer is None else answer

@@ -89,7 +89,7 @@ def run_trajectories(
         active = _environment_turns(rows, active, respond, tokenizer, text, limits)
         if not active:
             break
-        ctx = _left_pad([starts[i] + rows[i].ids for i in active], tokenizer.pad_token_id)
+        ctx = left_pad([starts[i] + rows[i].ids for i in active], tokenizer.pad_token_id)
         room = max(limits.max_total_tokens - len(rows[i].ids) for i in active)
         turn = dataclasses.replace(
             sampling, group_size=1, max_new_tokens=min(sampling.max_new_tokens, room)
@@ -152,7 +152,8 @@ def _environment_turns(
     return going
 
 
-def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as ``([N, W] ids, [N, W] mask)``, left-padded with ``pad``."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)

@@ -9,6 +9,7 @@ A mixin of ``RLVRModule``, as the other stages; the queue, schedule and fingerpr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,7 +17,18 @@ import torch
 
 from rlvr_lightning.algorithms.staleness import staleness_shares
 from rlvr_lightning.asynchrony import QueuedRound, RolloutQueue, WeightSync
+from rlvr_lightning.asynchrony.partial import PartialPool
+from rlvr_lightning.device import weights_cast_once
+from rlvr_lightning.stages import partial
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
+
+# A round's own rollout (partial rollouts): its prompts and rows, None rows when none finished.
+RoundRollout = Callable[[PromptBatch], tuple[PromptBatch, Rollouts | None]]
+POSITION_REFUSAL = (
+    "Partial rollouts (concurrent_rollouts) continue rows in chunks, and a temperature that "
+    "changes along the completion (AnnealedTemperature, EAD) would restart at each chunk; "
+    "drop the callback or set model.init_args.concurrent_rollouts: null."
+)
 
 CHECKPOINT_KEY = "rlvr_async"
 
@@ -25,6 +37,7 @@ class AsyncStage(pl.LightningModule):
     """``next_round`` (the step's round), ``push_weights`` (after the update), checkpoints."""
 
     _queue: RolloutQueue | None = None
+    _partial_pool: PartialPool | None = None
     _weight_sync: WeightSync | None = None
 
     @property
@@ -33,6 +46,13 @@ class AsyncStage(pl.LightningModule):
         if self._queue is None:
             self._queue = RolloutQueue()
         return self._queue
+
+    @property
+    def partial_pool(self) -> PartialPool:
+        """Groups decoding across steps (partial rollouts; empty otherwise)."""
+        if self._partial_pool is None:
+            self._partial_pool = PartialPool()
+        return self._partial_pool
 
     @property
     def weight_sync(self) -> WeightSync:
@@ -55,6 +75,8 @@ class AsyncStage(pl.LightningModule):
         """
         if not self.asynchronous:
             return batch, self.generate_round(batch), {}
+        if self.options.asynchrony.partial:
+            return self._partial_round(batch)
         a = self.options.asynchrony
         version = self._checked_version()
         scored = self.generate_round(batch)
@@ -69,6 +91,70 @@ class AsyncStage(pl.LightningModule):
         self._data_call("resume_step", None, queued.served)
         self.step_batch = queued.batch
         return queued.batch, queued.scored, metrics
+
+    def _partial_round(self, batch: PromptBatch) -> tuple[PromptBatch, Scored | None, dict]:
+        """Partial rollouts (``stages.partial``): ``batch`` joins the groups in flight, which
+        decode until as many have finished as ``batch`` has prompts; those train now (None:
+        none finished), the unfinished continue at the next step under the next version."""
+        a = self.options.asynchrony
+        if a.concurrent_rollouts < len(batch):
+            raise ValueError(
+                f"concurrent_rollouts is {a.concurrent_rollouts} but a step has {len(batch)} "
+                "prompts: a step would wait for more finished groups than may decode at once. "
+                f"Set model.init_args.concurrent_rollouts >= {len(batch)}."
+            )
+        version = self._checked_version()
+        taken: list = []
+
+        def partial_rollout(round_batch: PromptBatch) -> tuple[PromptBatch, Rollouts | None]:
+            self._fill_pool(round_batch)
+            pool = self.partial_pool
+            pool.drop_stale(version, a.max_staleness)
+            self.sync_engine()
+            limits = (a.concurrent_rollouts, a.partial_chunk_tokens, len(round_batch))
+            with weights_cast_once(self.device.type):
+                taken.append(partial.decode_until(
+                    self.engine, self.tokenizer.pad_token_id, pool, self.sampling, limits, version
+                ))  # fmt: skip
+            taken.append(pool.take(len(round_batch)))
+            if not taken[-1]:
+                return round_batch, None
+            return partial.round_of(self.tokenizer, taken[-1], self.device)
+
+        scored = self.generate_round(batch, partial_rollout)
+        chunks, groups = taken
+        metrics = partial.partial_metrics(
+            self.partial_pool, groups, version, a.max_staleness, chunks
+        )
+        self.log("async/queue", float(len(self.partial_pool)), prog_bar=True, batch_size=1)
+        if scored is None:
+            self._rollout_step += 1
+            return batch, None, metrics
+        metrics["async/sample_version"] = float(min(g.oldest() for g in groups))
+        self._data_call("resume_step", None, sorted({p for g in groups for p in g.served}))
+        return self.step_batch, scored, metrics
+
+    def _fill_pool(self, batch: PromptBatch) -> None:
+        """``batch`` joins the pool, then fresh prompts from the data module (through the
+        ``on_before_generate`` hooks) until ``concurrent_rollouts`` groups are unfinished:
+        CoPRIS keeps that many in flight, so groups that finish late are carried, not waited
+        for. Every rank draws the same number (the most any rank misses)."""
+        if batch.position_temperatures is not None:
+            raise ValueError(POSITION_REFUSAL)
+        pool, cap = self.partial_pool, self.options.asynchrony.concurrent_rollouts
+        step, s, start = self._rollout_step, self.sampling, len(pool.groups)
+        partial.admit(pool, batch, self.encode_prompts(batch), s, [], step)
+        missing = max(cap - sum(not g.finished for g in pool.groups), 0)
+        missing = int(self.trainer.strategy.reduce(torch.tensor(float(missing)), reduce_op="max"))
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if missing and hasattr(datamodule, "draw_prompts"):
+            exclude = [g.batch.prompt_ids[0] for g in pool.groups]
+            extra = self._run_hooks("on_before_generate", datamodule.draw_prompts(missing, exclude))
+            if len(extra):
+                partial.admit(pool, extra, self.encode_prompts(extra), s, [], step)
+        served = self._data_call("hold_step", [])
+        for g in pool.groups[start:]:
+            g.served = [p for p in served if p == g.batch.prompt_ids[0]]
 
     def _queue_metrics(self, version: int, queued: QueuedRound | None) -> dict[str, float]:
         a, q = self.options.asynchrony, self.rollout_queue
@@ -136,6 +222,7 @@ class AsyncStage(pl.LightningModule):
         if self.asynchronous:
             checkpoint[CHECKPOINT_KEY] = {
                 "queue": self.rollout_queue.state_dict(),
+                "partial": self.partial_pool.state_dict(),
                 "weight_sync": self.weight_sync.state_dict(),
             }
 
@@ -149,4 +236,6 @@ class AsyncStage(pl.LightningModule):
                 "resume it with model.init_args.rollout_mode: async (or start a new run)."
             )
         self.rollout_queue.load_state_dict(state["queue"])
+        if "partial" in state:
+            self.partial_pool.load_state_dict(state["partial"])
         self.weight_sync.load_state_dict(state["weight_sync"])

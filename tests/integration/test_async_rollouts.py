@@ -54,6 +54,7 @@ def state(c) -> dict:
         "optimizer": c.trainer.optimizers[0].state_dict(),
         "data": c.datamodule.state_dict(),
         "queue": c.model.rollout_queue.state_dict(),
+        "partial": c.model.partial_pool.state_dict(),
         "rollout_step": c.model._rollout_step,
         "global_step": c.trainer.global_step,
         "rng": torch.get_rng_state(),
@@ -229,3 +230,68 @@ def test_a_look_ahead_puts_the_queue_and_the_pushes_back(tmp_path):
     lookahead.restore(trainer, module, saved)
     assert_same((module.rollout_queue.state_dict(), module.weight_sync.state_dict()), before)
     assert len(before[0]["rounds"]) == 1
+
+
+PARTIAL = [
+    "--model.init_args.rollout_mode=async",
+    "--model.init_args.concurrent_rollouts=4",
+    "--model.init_args.partial_chunk_tokens=4",
+]
+
+
+@pytest.fixture
+def uneven_lengths(monkeypatch):
+    """The tiny random model never samples EOS in 12 tokens: here every row of a prompt whose
+    first 30 context bytes sum to an even number ends after 3 tokens (EOS written over the
+    third), the others run to 12, so groups finish at different chunks and the long ones
+    continue into the next step. Deterministic, so resumes can compare."""
+    from rlvr_lightning.rollout.hf import HFEngine
+
+    generate = HFEngine.generate
+
+    def uneven(self, ids, mask, sampling, *args, **kwargs):
+        r = generate(self, ids, mask, sampling, *args, **kwargs)
+        for j in range(r.num_rows):
+            i = j // r.group_size
+            # A short prompt's rows end in their first chunk (4 tokens): never continued.
+            if int(ids[i][mask[i].bool()][:30].sum()) % 2 == 0:
+                r.completion_ids[j, 2] = self.tokenizer.eos_token_id
+                r.completion_mask[j, 3:] = 0
+                r.behaviour_logp[j, 3:] = 0
+                r.truncated[j] = False
+        return r
+
+    monkeypatch.setattr(HFEngine, "generate", uneven)
+
+
+def test_partial_rollouts_train_finished_groups_and_carry_the_rest(tmp_path, uneven_lengths):
+    c = cli(tmp_path, *PARTIAL, "--trainer.max_steps=6")
+    crossed = []
+    publish = c.model.publish
+
+    def recording(output):
+        crossed.append(output.metrics["async/partial_cross_stage_rows"])
+        return publish(output)
+
+    c.model.publish = recording
+    fit(c)
+    m = c.model.last_step.metrics
+    assert c.trainer.global_step == 6 and c.datamodule.composer.steps == 6
+    assert m["async/staleness_0"] + m["async/staleness_1"] == 1.0
+    assert sum(crossed) > 0  # some trained rows were written by two versions
+    # A long row advances one 4-token chunk a step when short groups end each step early:
+    # its third chunk would come from a version 2 newer than its first, past max_staleness 1.
+    assert m["async/dropped_rows"] > 0
+
+
+def test_partial_rollouts_resume_exactly_after_sigterm_mid_step(tmp_path, uneven_lengths):
+    full = state(fit(cli(tmp_path / "full", *PARTIAL)))
+    flags = [*PARTIAL, *ckpt_flags(tmp_path / "c")]
+    c = cli(tmp_path, *flags)
+    interrupt_at(c, "score", 3)
+    with pytest.raises((SystemExit, SIGTERMException)):
+        fit(c)
+    saved = torch.load(tmp_path / "c" / "last.ckpt", weights_only=True)
+    assert saved["rlvr_async"]["partial"]["groups"]  # rows in flight went into the checkpoint
+    resumed = fit(cli(tmp_path, *flags), ckpt_path=tmp_path / "c" / "last.ckpt")
+    assert_same(state(resumed), full)

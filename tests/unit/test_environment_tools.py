@@ -4,7 +4,6 @@ instruction and tool-call parsing (the tokenizer's response parser and the fallb
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 from transformers.utils import get_json_schema
@@ -18,27 +17,8 @@ from rlvr_lightning.environments import (
     tool_schemas,
     tools_instruction,
 )
-from rlvr_lightning.models.tiny import byte_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-def call(name: str, **arguments: object) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
-def add(a: int, b: int = 0) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first summand.
-        b: The second summand.
-    """
-    return a + b
-
+from rlvr_lightning.testing import add
+from rlvr_lightning.testing import tool_call as call
 
 # --- tools and schemas --------------------------------------------------------------------
 

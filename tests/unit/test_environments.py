@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import threading
 import time
 
@@ -19,27 +18,9 @@ from rlvr_lightning.environments import (
     arespond_all,
     respond_all,
 )
-from rlvr_lightning.models.tiny import byte_tokenizer
 from rlvr_lightning.rewards.code import CodeTestsReward
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-def call(name: str, **arguments: object) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
-def add(a: int, b: int = 0) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first summand.
-        b: The second summand.
-    """
-    return a + b
+from rlvr_lightning.testing import add
+from rlvr_lightning.testing import tool_call as call
 
 
 class IncrementEnv:
