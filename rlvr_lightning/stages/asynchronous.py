@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from rlvr_lightning.algorithms.staleness import staleness_shares
 from rlvr_lightning.asynchrony import QueuedRound, RolloutQueue, WeightSync
@@ -38,6 +39,7 @@ class AsyncStage(pl.LightningModule):
 
     _queue: RolloutQueue | None = None
     _partial_pool: PartialPool | None = None
+    _warned_staleness = False
     _weight_sync: WeightSync | None = None
 
     @property
@@ -103,6 +105,7 @@ class AsyncStage(pl.LightningModule):
                 "prompts: a step would wait for more finished groups than may decode at once. "
                 f"Set model.init_args.concurrent_rollouts >= {len(batch)}."
             )
+        self._warn_long_rows()
         version = self._checked_version()
         taken: list = []
 
@@ -133,6 +136,21 @@ class AsyncStage(pl.LightningModule):
         metrics["async/sample_version"] = float(min(g.oldest() for g in groups))
         self._data_call("resume_step", None, sorted({p for g in groups for p in g.served}))
         return self.step_batch, scored, metrics
+
+    def _warn_long_rows(self) -> None:
+        """Once: a row needing more chunks than ``max_staleness + 1`` may be dropped."""
+        a, chunk = self.options.asynchrony, self.options.asynchrony.partial_chunk_tokens
+        chunks = -(-self.sampling.max_new_tokens // chunk)
+        if self._warned_staleness or a.max_staleness >= chunks - 1:
+            return
+        self._warned_staleness = True
+        rank_zero_warn(
+            f"Partial rollouts: a row of max_new_tokens={self.sampling.max_new_tokens} takes "
+            f"up to {chunks} chunks of {chunk} tokens, one a step when short groups end the "
+            f"steps early, so it may span {chunks - 1} versions; max_staleness="
+            f"{a.max_staleness} drops such rows (async/dropped_rows). Set max_staleness: "
+            f"{chunks - 1} or a larger partial_chunk_tokens to keep them."
+        )
 
     def _fill_pool(self, batch: PromptBatch) -> None:
         """``batch`` joins the pool, then fresh prompts from the data module (through the
