@@ -2,57 +2,29 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 
-from rlvr_lightning.rewards.math import (
-    BOX_OPEN,
-    as_number,
-    committed_boxed,
-    normalize_gold,
-    unevaluated,
-)
+from rlvr_lightning.rewards.math import BOX_OPEN, extract_boxed
 from rlvr_lightning.rewards.trl_contract import Completion, completion_text
 
-_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 
+def boxed_format(completions: list[Completion], **_: object) -> list[float | None]:
+    r"""1.0 when the completion's last ``\boxed{}`` is non-empty and holds no box, else 0.0.
 
-def boxed_format(
-    completions: list[Completion], answer: Sequence[object] | None = None, **_: object
-) -> list[float | None]:
-    r"""1.0 when the completion commits to one boxed answer of the right kind, else 0.0.
+    Any content pays, so early boxes that restate the question or copy the instruction's
+    example (``\boxed{4 + 4}``, ``\boxed{Paris}``) are stepping stones to boxing the answer; a
+    box nested in another does not: rewarded, nested boxes became what the policy wrote
+    (``\boxed{4 \times \boxed{4}}``, issue 40). Paying only a boxed number was tried and
+    taught the policy to box a bare guess and stop working the sum out (README, "Measured
+    quickstart results"). This rule is this project's choice.
 
-    A box pays when it is non-empty, every box agrees (``committed_boxed``), none is nested in
-    another and it is not a restated computation (``4 + 4``); where the row's gold ``answer`` is
-    a plain number, the box must hold a number too. Paying any box taught the policy to box
-    anything (``\boxed{4 \times \boxed{4}}``, issue 40); this rule is this project's choice.
-
-    >>> boxed_format([r"\boxed{3}", r"\boxed{ }", "3", r"\boxed{2+1}", r"\boxed{x}"])
-    [1.0, 0.0, 0.0, 0.0, 1.0]
-    >>> golds = ["3"] * 3
-    >>> boxed_format([r"\boxed{x}", r"\boxed{1 \boxed{3}}", r"\boxed{\frac{6}{2}}"], answer=golds)
-    [0.0, 0.0, 1.0]
+    >>> boxed_format([r"\boxed{3}", r"\boxed{ }", "3", r"\boxed{2+1}", r"\boxed{1 \boxed{3}}"])
+    [1.0, 0.0, 0.0, 1.0, 0.0]
     """
-    golds = [None] * len(completions) if answer is None else answer
-    texts = map(completion_text, completions)
-    return [float(boxed_answer_shape(c, g)) for c, g in zip(texts, golds, strict=True)]
-
-
-def boxed_answer_shape(text: str, gold: object = None) -> bool:
-    """Whether ``text``'s committed box holds an answer (``boxed_format``'s rule), for ``gold``."""
-    box = (committed_boxed(text) or "").strip()
-    if not box or BOX_OPEN.search(box) or unevaluated(box):
-        return False
-    numeric_gold = gold is not None and as_number(normalize_gold(gold)) is not None
-    return not numeric_gold or _numeric(box)
-
-
-def _numeric(box: str) -> bool:
-    r"""A number written plainly or in LaTeX (``\frac{1}{2}``): digits, no words."""
-    bare = _LATEX_COMMAND.sub("", box)
-    return any(c.isdigit() for c in bare) and not any(c.isalpha() for c in bare)
+    boxes = (extract_boxed(completion_text(c)) or "" for c in completions)
+    return [float(bool(box.strip()) and not BOX_OPEN.search(box)) for box in boxes]
 
 
 def _check_overlong_args(max_len: int, buffer_len: int, factor: float) -> None:

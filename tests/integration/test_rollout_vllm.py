@@ -292,3 +292,64 @@ def test_on_cpu_no_prompt_is_prefilled_in_chunks(engine):
 
     chunked = engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
     assert chunked is not current_platform.is_cpu()
+
+
+@pytest.mark.parametrize(
+    "mode", [["sync"], ["async"], ["async", "--model.init_args.concurrent_rollouts=4"]]
+)
+def test_sigterm_mid_step_then_resume_gives_the_uninterrupted_run(folder, tmp_path, mode):
+    """Issue 39's resume guarantee on the vLLM engine: SIGTERM during the third generation,
+    then resuming from ``last.ckpt``, ends with the weights of a run never stopped (each
+    request's seed comes from the sampling RNG, which the checkpoint holds)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from rlvr_lightning.cli.main import build_cli
+
+    config = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+
+    def cli(root, *extra):
+        return build_cli([
+            "--config", config, f"--trainer.default_root_dir={root}",
+            "--trainer.limit_val_batches=0", "--trainer.max_steps=4",
+            f"--model.init_args.policy={folder}", "--model.init_args.engine=vllm",
+            f"--model.init_args.engine_kwargs={{kv_cache_gb: {KV_GB}}}",
+            f"--model.init_args.rollout_mode={mode[0]}", *mode[1:], *extra,
+        ], run=False)  # fmt: skip
+
+    flags = [
+        "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={tmp_path / 'c'}",
+        "--trainer.callbacks.every_n_train_steps=100",
+        "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks.save_on_exception=true",
+    ]
+    full = cli(tmp_path / "full")
+    full.trainer.fit(full.model, datamodule=full.datamodule)
+    c = cli(tmp_path, *flags)
+    score, calls = c.model.score, [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return score(*args, **kwargs)
+
+    c.model.score = interrupted
+    with pytest.raises((SystemExit, SIGTERMException)):
+        c.trainer.fit(c.model, datamodule=c.datamodule)
+    resumed = cli(tmp_path, *flags)
+    resumed.trainer.fit(
+        resumed.model, datamodule=resumed.datamodule, ckpt_path=tmp_path / "c" / "last.ckpt"
+    )
+    assert resumed.trainer.global_step == full.trainer.global_step
+    for (name, a), b in zip(
+        full.model.policy.state_dict().items(),
+        resumed.model.policy.state_dict().values(),
+        strict=True,
+    ):
+        assert torch.equal(a, b), name

@@ -125,23 +125,11 @@ def test_boxed_format() -> None:
     assert boxed_format([r"\boxed{x}", r"\boxed{}", r"\boxed{", "x"]) == [1.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize(
-    "completion",
-    [
-        r"4 \times 4 = \boxed{4 \times \boxed{4}}",  # nested boxes (issue 40's attractor)
-        r"\boxed{4 + 4}",  # the question restated
-        r"The capital of France is \boxed{Paris}.",  # the instruction's example copied
-        r"\boxed{2} or \boxed{9}",  # a hedge
-        "4 + 4 = 8",  # no box
-    ],
-)
-def test_format_reward_pays_no_attractor_on_a_numeric_task(completion: str) -> None:
-    assert boxed_format([completion], answer=["8"]) == [0.0]
-
-
-def test_format_reward_pays_a_boxed_number_right_or_wrong() -> None:
-    completions = [r"4 + 4 = \boxed{8}", r"\boxed{9}", r"\boxed{\frac{16}{2}}", r"\boxed{-1.5}"]
-    assert boxed_format(completions, answer=["8"] * 4) == [1.0, 1.0, 1.0, 1.0]
+def test_format_reward_pays_no_nested_box():
+    # Paid, nested boxes became what the policy wrote on one-digit addition (issue 40).
+    completions = [r"4 \times 4 = \boxed{4 \times \boxed{4}}", r"\boxed{4 \boxed{8}}"]
+    assert boxed_format(completions) == [0.0, 0.0]
+    assert boxed_format([r"\boxed{4 + 4}", r"\boxed{Paris}", r"4 + 4 = \boxed{8}"]) == [1.0] * 3
 
 
 def test_nested_box_never_earns_accuracy() -> None:
