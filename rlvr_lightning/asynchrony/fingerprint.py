@@ -10,6 +10,20 @@ changed after the push without a new version (a callback or a look-ahead that di
 back). It misses a change confined to the elements it does not read: sparse updates, e.g. the
 embedding rows of tokens never seen, or a corruption of a few elements between the samples.
 ``SAMPLES`` = 64 is this project's choice.
+
+An engine with its own copy in its own layout (vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and
+``gate/up_proj`` into ``gate_up_proj``, and may hold bf16) is checked with
+:func:`module_sums` instead: per module (a parameter's name less its last two parts, e.g.
+``model.layers.3.self_attn``), the sum and the sum of squares of every element, in float64, of
+the policy's weights cast to the engine's dtype, against the same sums read back from the
+engine. Sums do not depend on how a module's tensors are split, named, ordered or packed, so
+both layouts agree (to float64 rounding, compared within ``REL_TOL``). They catch a stale or
+partly loaded engine and weights changed after the push; they miss tensors of one module loaded
+in each other's place (``q_proj`` into ``k``'s rows), which the position-weighted prints catch.
+Only modules the engine can show are compared: vLLM's CPU backend repacks linear layers for
+oneDNN and leaves their parameters empty, so there the embeddings and norms are checked (they
+move with every update, so a stale engine is still caught; a load that missed only linear
+layers is not).
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 SAMPLES = 64
+REL_TOL = 1e-9  # module sums of the same values in another order differ by ~1e-16 relative
 
 
 class WeightSyncError(RuntimeError):
@@ -38,6 +53,48 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]], samples: int = SAMPLE
         weights = torch.arange(1, picked.numel() + 1, dtype=torch.float64, device=picked.device)
         out[name] = float((picked * weights).sum())
     return out
+
+
+def module_sums(
+    named: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype | None = None,
+    only: Iterable[str] | None = None,
+) -> dict:
+    """``{module: [sum, sum of squares]}`` of every element of the tensors ``named`` (each
+    counted once however many names it has), cast to ``dtype`` first, in float64. A module
+    with an empty tensor is left out (vLLM's CPU backend repacks linear layers and leaves their
+    parameters empty: they cannot be read back); ``only``: these modules alone."""
+    out: dict[str, list[float]] = {}
+    empty: set[str] = set()
+    seen: set[int] = set()
+    for name, tensor in named:
+        module = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+        if tensor.numel() == 0:
+            empty.add(module)
+        if tensor.numel() == 0 or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        values = tensor.detach().to(dtype or tensor.dtype).double()
+        sums = out.setdefault(module, [0.0, 0.0])
+        sums[0] += float(values.sum())
+        sums[1] += float(values.square().sum())
+    keep = set(out) - empty if only is None else set(only)
+    return {k: v for k, v in out.items() if k in keep}
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Prints equal: exactly, or (module sums) within ``REL_TOL`` of the larger magnitude."""
+    if a.keys() != b.keys():
+        return False
+    return all(_close(a[k], b[k]) for k in a)
+
+
+def _close(x: object, y: object) -> bool:
+    if isinstance(x, list | tuple) and isinstance(y, list | tuple):
+        return len(x) == len(y) and all(_close(u, v) for u, v in zip(x, y, strict=True))
+    if isinstance(x, float) and isinstance(y, float):
+        return x == y or abs(x - y) <= REL_TOL * max(abs(x), abs(y))
+    return x == y
 
 
 @dataclass(frozen=True)
@@ -60,29 +117,37 @@ class WeightSync:
         """The version pushed last (0 before any push)."""
         return next(reversed(self.pushes)) if self.pushes else 0
 
-    def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> Push:
-        """Record that the weights ``named`` are now ``version``."""
+    def push(
+        self,
+        version: int,
+        named: Iterable[tuple[str, torch.Tensor]] = (),
+        prints: dict | None = None,
+    ) -> Push:
+        """Record that the weights ``named`` (or their ready ``prints``) are now ``version``."""
         if self.pushes and version <= self.version:
             raise WeightSyncError(
                 f"Policy version {version} pushed after version {self.version}: versions only "
                 "grow, one per update."
             )
-        pushed = Push(version, fingerprint(named))
+        pushed = Push(version, fingerprint(named) if prints is None else prints)
         self.pushes[version] = pushed
         while len(self.pushes) > self.keep:
             self.pushes.popitem(last=False)
         return pushed
 
-    def check(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """The version the weights ``named`` hold; raises when it is not the last pushed."""
+    def check(
+        self, named: Iterable[tuple[str, torch.Tensor]] = (), prints: dict | None = None
+    ) -> int:
+        """The version the weights ``named`` (or their ``prints``) hold; raises when it is not
+        the last pushed."""
         if not self.pushes:
             raise WeightSyncError("No weights were pushed yet: push version 0 before generating.")
         expected = self.pushes[self.version]
-        prints = fingerprint(named)
-        if prints == expected.prints:
+        prints = fingerprint(named) if prints is None else prints
+        if _same(prints, expected.prints):
             return expected.version
-        held = [p.version for p in self.pushes.values() if p.prints == prints]
-        differ = sorted(k for k in expected.prints if prints.get(k) != expected.prints[k])
+        held = [p.version for p in self.pushes.values() if _same(p.prints, prints)]
+        differ = sorted(k for k in expected.prints if not _close(prints.get(k), expected.prints[k]))
         what = f"version {held[-1]}'s" if held else "weights of no version pushed recently"
         raise WeightSyncError(
             f"The generator holds {what}, but version {expected.version} was pushed last "

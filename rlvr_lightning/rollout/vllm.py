@@ -12,6 +12,7 @@ update, so on-policy importance ratios start at 1 up to the engine's numerics.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -23,8 +24,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # to see them again.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from collections.abc import Iterable, Iterator
-from typing import Literal
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import psutil
@@ -101,6 +102,13 @@ def _caller_rng_kept() -> Iterator[None]:
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+_R = TypeVar("_R")
+
+
+def _named_weights_of(fn: Callable[[Iterable[tuple[str, torch.Tensor]]], _R], model: Any) -> _R:
+    return fn(model.named_parameters())
 
 
 class VLLMEngine:
@@ -194,6 +202,18 @@ class VLLMEngine:
                 kwargs={"weights_iterator": ((n, t.detach().to(dtype)) for n, t in named_tensors)},
             )
         self.llm.reset_prefix_cache()
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in."""
+        return self.llm.llm_engine.model_config.dtype
+
+    def read_weights(self, fn: Callable[[Iterable[tuple[str, torch.Tensor]]], _R]) -> _R:
+        """``fn`` of the weights the engine holds (its own names, layout and dtype: fused
+        ``qkv_proj``, ...), read in its worker (``LLM.apply_model``); e.g. the weight-sync
+        check's module sums (``asynchrony.fingerprint.module_sums``)."""
+        self.wake_up()
+        return self.llm.apply_model(functools.partial(_named_weights_of, fn))[0]
 
     # ---- generation -----------------------------------------------------------------------
 

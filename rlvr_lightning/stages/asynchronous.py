@@ -17,9 +17,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlvr_lightning.algorithms.staleness import staleness_shares
-from rlvr_lightning.asynchrony import QueuedRound, RolloutQueue, WeightSync
+from rlvr_lightning.asynchrony import QueuedRound, RolloutQueue, WeightSync, fingerprint
+from rlvr_lightning.asynchrony.fingerprint import module_sums
 from rlvr_lightning.asynchrony.partial import PartialPool
 from rlvr_lightning.device import weights_cast_once
+from rlvr_lightning.rollout.base import policy_weights
 from rlvr_lightning.stages import partial
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
 
@@ -40,6 +42,7 @@ class AsyncStage(pl.LightningModule):
     _queue: RolloutQueue | None = None
     _partial_pool: PartialPool | None = None
     _warned_staleness = False
+    _readable: list[str] | None = None  # modules the engine's weights can be read back from
     _weight_sync: WeightSync | None = None
 
     @property
@@ -208,22 +211,36 @@ class AsyncStage(pl.LightningModule):
         """After an update (``async``): the policy's weights become the next version, with
         their fingerprint (``asynchrony.fingerprint``)."""
         if self.asynchronous:
-            self.weight_sync.push(self.weight_sync.version + 1, self._generator_weights())
+            self.weight_sync.push(self.weight_sync.version + 1, prints=self._pushed_prints())
 
     def _checked_version(self) -> int:
         """The version the generator's weights hold: the last pushed, else an error naming
         both (``asynchrony.WeightSyncError``). The run's first step pushes version 0."""
         sync = self.weight_sync
-        if not sync.pushes:
-            sync.push(0, self._generator_weights())
         if not self.engine.shares_policy:
-            # vLLM holds its own copy, reloaded from the policy (`sync_engine`) before it
-            # generates; reading its weights back is not built, so the policy's are checked.
-            self.sync_engine()
-        return sync.check(self._generator_weights())
+            self.sync_engine()  # vLLM: its own copy, reloaded from the policy, then read back
+        held = self._held_prints()
+        if not sync.pushes:
+            sync.push(0, prints=self._pushed_prints())
+        return sync.check(prints=held)
 
-    def _generator_weights(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.policy.named_parameters())
+    def _pushed_prints(self) -> dict:
+        """The fingerprint of the policy's weights as the generator should hold them: the
+        position-weighted prints (HF engine: the policy itself), or the module sums of the
+        weights cast to the engine's dtype (an engine with its own layout, vLLM)."""
+        if self.engine.shares_policy or not hasattr(self.engine, "read_weights"):
+            return fingerprint(self.policy.named_parameters())
+        with policy_weights(self.policy) as named:
+            return module_sums(named, self.engine.weights_dtype, only=self._readable)
+
+    def _held_prints(self) -> dict:
+        """The same fingerprint of the weights the generator holds, read from it (the modules
+        it can show: ``asynchrony.fingerprint.module_sums``)."""
+        if self.engine.shares_policy or not hasattr(self.engine, "read_weights"):
+            return fingerprint(self.policy.named_parameters())
+        held = self.engine.read_weights(module_sums)
+        self._readable = sorted(held) if self._readable is None else self._readable
+        return held
 
     def _data_call(self, name: str, default: Any, *args: Any) -> Any:
         """``datamodule.composer.<name>(*args)`` when the data module has a step composer

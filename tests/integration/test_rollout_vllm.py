@@ -353,3 +353,32 @@ def test_sigterm_mid_step_then_resume_gives_the_uninterrupted_run(folder, tmp_pa
         strict=True,
     ):
         assert torch.equal(a, b), name
+
+
+def test_an_engine_that_missed_a_reload_is_caught_from_its_own_weights(folder):
+    """Async rollouts read the weights back from vLLM (module sums in its fused layout and
+    dtype): an engine whose reload silently did nothing is caught before it generates."""
+    from rlvr_lightning.asynchrony import WeightSyncError
+    from rlvr_lightning.stages.hooks import RLVRCallback
+
+    class SkipReloads(RLVRCallback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == 1:
+                module.engine.load_weights = lambda named: None
+
+    module = RLVRModule(
+        str(folder),
+        rollout_mode="async",
+        **grouped(
+            reward_fns=[digit_fraction],
+            sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
+            micro_batch_size=4,
+            lr=1e-2,
+            engine="vllm",
+            engine_kwargs={"kv_cache_gb": KV_GB},
+        ),
+    )
+    data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+    trainer = quiet_trainer(max_steps=3, callbacks=[SkipReloads()])
+    with pytest.raises(WeightSyncError, match="holds version 0's, but version 1 was pushed"):
+        trainer.fit(module, datamodule=data)

@@ -24,6 +24,7 @@ from rlvr_lightning.asynchrony import (
     from_plain,
     to_plain,
 )
+from rlvr_lightning.asynchrony.fingerprint import module_sums
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
 
 
@@ -171,3 +172,38 @@ def test_the_fingerprint_catches_a_swap_of_two_slices():
         a.weight.copy_(a.weight.flip(0))
     with pytest.raises(WeightSyncError):
         sync.check(a.named_parameters())
+
+
+def _split_and_fused(seed: int = 0):
+    """One attention block under HF's names and as vLLM fuses it (q, k, v stacked)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, o = (torch.randn(8, 8, generator=gen) for _ in range(4))
+    split = [
+        ("model.layers.0.self_attn.q_proj.weight", q),
+        ("model.layers.0.self_attn.k_proj.weight", k),
+        ("model.layers.0.self_attn.v_proj.weight", v),
+        ("model.layers.0.self_attn.o_proj.weight", o),
+    ]
+    fused = [
+        ("model.layers.0.self_attn.qkv_proj.weight", torch.cat([q, k, v]).bfloat16()),
+        ("model.layers.0.self_attn.o_proj.weight", o.bfloat16()),
+    ]
+    return split, fused
+
+
+def test_module_sums_match_across_an_engines_fused_layout_and_dtype():
+    split, fused = _split_and_fused()
+    sync = WeightSync()
+    sync.push(0, prints=module_sums(split, torch.bfloat16))  # the policy, as the engine holds it
+    assert sync.check(prints=module_sums(fused)) == 0  # read back from the engine
+    # The same block as the policy held it before its last update: a stale engine.
+    stale = [(n, t.clone()) for n, t in split]
+    with torch.no_grad():
+        for _, t in split:
+            t.add_(1e-2 * torch.randn_like(t))
+    sync.push(1, prints=module_sums(split, torch.bfloat16))
+    with pytest.raises(WeightSyncError, match="holds version 0's, but version 1 was pushed"):
+        sync.check(prints=module_sums([(n, t.bfloat16()) for n, t in stale]))
+    # A load that missed the attention block's output projection.
+    with pytest.raises(WeightSyncError, match="1 of 1 parameters differ"):
+        sync.check(prints=module_sums(fused[:1]))
