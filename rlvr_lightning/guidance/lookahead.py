@@ -38,6 +38,7 @@ MODULE_COUNTERS = (
     "step_batch",
     "_queue",  # asynchronous rollouts: the queued rounds and the weight pushes
     "_weight_sync",
+    "_partial_pool",  # partial rollouts: the groups in flight
 )
 _SHAPING_HOOKS = ("on_before_rollout", "on_before_generate", "on_after_score")
 
