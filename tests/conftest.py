@@ -62,3 +62,29 @@ def tokenizer():
     from rlvr_lightning.testing import byte_tokenizer
 
     return byte_tokenizer()
+
+
+@pytest.fixture
+def uneven_lengths(monkeypatch):
+    """The tiny random model never samples EOS: here every row of a prompt whose first 30
+    context bytes sum to an even number ends at the third token of a chunk (EOS written over
+    it), the others run to ``max_new_tokens``, so groups finish at different chunks and the
+    long ones continue into the next step (partial rollouts). Deterministic, so resumes can
+    compare."""
+    from rlvr_lightning.rollout.hf import HFEngine
+
+    generate = HFEngine.generate
+
+    def uneven(self, ids, mask, sampling, *args, **kwargs):
+        r = generate(self, ids, mask, sampling, *args, **kwargs)
+        for j in range(r.num_rows):
+            i = j // r.group_size
+            # A short prompt's rows end in their first chunk (4 tokens): never continued.
+            if r.completion_ids.shape[1] > 2 and int(ids[i][mask[i].bool()][:30].sum()) % 2 == 0:
+                r.completion_ids[j, 2] = self.tokenizer.eos_token_id
+                r.completion_mask[j, 3:] = 0
+                r.behaviour_logp[j, 3:] = 0
+                r.truncated[j] = False
+        return r
+
+    monkeypatch.setattr(HFEngine, "generate", uneven)

@@ -94,7 +94,8 @@ class PartialPool:
         return [g for g in self.groups if not g.finished][:cap]
 
     def finished_count(self) -> int:
-        return sum(g.finished for g in self.groups)
+        """Finished groups a step could take: one per prompt (see ``take``)."""
+        return len({g.batch.prompt_ids[0] for g in self.groups if g.finished})
 
     def drop_stale(self, version: int, max_staleness: int) -> int:
         """Remove the groups a row of which a version older than ``max_staleness`` wrote;
@@ -109,8 +110,14 @@ class PartialPool:
         return len(stale)
 
     def take(self, k: int) -> list[InFlight]:
-        """The ``k`` oldest finished groups (fewer when fewer finished), out of the pool."""
-        taken = [g for g in self.groups if g.finished][:k]
+        """The ``k`` oldest finished groups (fewer when fewer finished), out of the pool; at
+        most one per prompt: a prompt served again (replay) while its earlier group was still
+        in flight trains in a later step, so a step's statistics see each prompt once."""
+        taken: list[InFlight] = []
+        for g in self.groups:
+            ids = {t.batch.prompt_ids[0] for t in taken}
+            if len(taken) < k and g.finished and g.batch.prompt_ids[0] not in ids:
+                taken.append(g)
         self.groups = [g for g in self.groups if all(g is not t for t in taken)]
         return taken
 

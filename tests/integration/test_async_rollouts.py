@@ -239,31 +239,6 @@ PARTIAL = [
 ]
 
 
-@pytest.fixture
-def uneven_lengths(monkeypatch):
-    """The tiny random model never samples EOS in 12 tokens: here every row of a prompt whose
-    first 30 context bytes sum to an even number ends after 3 tokens (EOS written over the
-    third), the others run to 12, so groups finish at different chunks and the long ones
-    continue into the next step. Deterministic, so resumes can compare."""
-    from rlvr_lightning.rollout.hf import HFEngine
-
-    generate = HFEngine.generate
-
-    def uneven(self, ids, mask, sampling, *args, **kwargs):
-        r = generate(self, ids, mask, sampling, *args, **kwargs)
-        for j in range(r.num_rows):
-            i = j // r.group_size
-            # A short prompt's rows end in their first chunk (4 tokens): never continued.
-            if int(ids[i][mask[i].bool()][:30].sum()) % 2 == 0:
-                r.completion_ids[j, 2] = self.tokenizer.eos_token_id
-                r.completion_mask[j, 3:] = 0
-                r.behaviour_logp[j, 3:] = 0
-                r.truncated[j] = False
-        return r
-
-    monkeypatch.setattr(HFEngine, "generate", uneven)
-
-
 def test_partial_rollouts_train_finished_groups_and_carry_the_rest(tmp_path, uneven_lengths):
     c = cli(tmp_path, *PARTIAL, "--trainer.max_steps=6")
     crossed = []

@@ -149,3 +149,14 @@ def test_fewer_concurrent_rollouts_than_prompts_is_refused():
         Asynchrony(concurrent_rollouts=4)
     with pytest.raises(ValueError, match="must be >= 1"):
         Asynchrony(rollout_mode="async", concurrent_rollouts=0)
+
+
+def test_a_prompt_served_again_while_in_flight_trains_once_a_step():
+    # Replay served p10 again while its first group was in flight: both finish together.
+    engine, pool = ScriptedEngine({10: 2, 11: 2}), PartialPool()
+    b, enc = batch([10, 10, 11])
+    partial.admit(pool, b, enc, SAMPLING, [], 0)
+    partial.decode_until(engine, 0, pool, SAMPLING, (4, 3, 2), 0)
+    assert pool.finished_count() == 2  # two prompts, though three groups
+    first = [g.batch.prompt_ids[0] for g in pool.take(2)]
+    assert first == ["p10", "p11"] and [g.batch.prompt_ids[0] for g in pool.take(2)] == ["p10"]
