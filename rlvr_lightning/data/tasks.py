@@ -82,7 +82,8 @@ def _check_digits(digits: object) -> None:
 def _arithmetic_example(a: int, b: int, op: str) -> Example:
     task = "addition" if op == "+" else "multiplication"
     prompt, answer = f"What is {a} {op} {b}?", str(a + b if op == "+" else a * b)
-    columns = {"answer": answer, "task": task}
+    # A worked reference (for guidance callbacks such as GroundTruthInjection).
+    columns = {"answer": answer, "solution": f"{a} {op} {b} = \\boxed{{{answer}}}", "task": task}
     return Example(make_prompt_id(task, prompt, answer), prompt, columns)
 
 
