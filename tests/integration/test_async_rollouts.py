@@ -205,6 +205,19 @@ def test_a_sync_run_resumed_from_an_async_checkpoint_is_refused(tmp_path):
             ],
             "rollout_mode: async with selection.dynamic_sampling",
         ),
+        (["--model.init_args.concurrent_rollouts=4"], "set rollout_mode: async too"),
+        (
+            [
+                "--model.init_args.rollout_mode=async",
+                "--model.init_args.concurrent_rollouts=4",
+                "--model.init_args.multiturn.tools=[rlvr_lightning.environments.calculator]",
+            ],
+            "continues single-turn completions",
+        ),
+        (
+            ["--model.init_args.rollout_mode=async", "--model.init_args.concurrent_rollouts=1"],
+            "Set model.init_args.concurrent_rollouts >= 2",
+        ),
     ],
 )
 def test_bad_asynchrony_settings_are_named_by_the_cli(capsys, args, message):
