@@ -180,9 +180,11 @@ def test_engine_built_in_inference_mode_still_syncs(folder):
     assert diff < 1e-3  # the halved weights were loaded
 
 
-def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):
-    module = RLVRModule(
+def _vllm_module(folder, **kwargs) -> RLVRModule:
+    """The tiny saved model on the vLLM engine: digit reward, G = 4, 8 tokens, lr 1e-2."""
+    return RLVRModule(
         str(folder),
+        **kwargs,
         **grouped(
             reward_fns=[digit_fraction],
             sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
@@ -192,6 +194,10 @@ def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):
             engine_kwargs={"kv_cache_gb": KV_GB},
         ),
     )
+
+
+def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):
+    module = _vllm_module(folder)
     assert isinstance(module.engine, VLLMEngine) and not module.engine.shares_policy
     data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
     trainer = quiet_trainer(max_steps=2)
@@ -366,18 +372,7 @@ def test_an_engine_that_missed_a_reload_is_caught_from_its_own_weights(folder):
             if trainer.global_step == 1:
                 module.engine.load_weights = lambda named: None
 
-    module = RLVRModule(
-        str(folder),
-        rollout_mode="async",
-        **grouped(
-            reward_fns=[digit_fraction],
-            sampling=Sampling(max_new_tokens=8, temperature=1.0, group_size=4),
-            micro_batch_size=4,
-            lr=1e-2,
-            engine="vllm",
-            engine_kwargs={"kv_cache_gb": KV_GB},
-        ),
-    )
+    module = _vllm_module(folder, rollout_mode="async")
     data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
     trainer = quiet_trainer(max_steps=3, callbacks=[SkipReloads()])
     with pytest.raises(WeightSyncError, match="holds version 0's, but version 1 was pushed"):
