@@ -8,8 +8,11 @@ speed-up the overlap would give with generation on its own device, estimated fro
 measured stage times as ``sum(gen + score + update) / sum(max(gen + score, update))``.
 
 On one CPU the in-process schedule takes turns (generate, then update), so async mode cannot
-be faster here; what it changes is which policy version drew the trained samples. Its wall
-time also holds the ``k`` rounds it generates before the first update (samples/s counts
+be faster here; what it changes is which policy version drew the trained samples. ``worker1``
+is async with the engine in a worker process (``engine_kwargs.process: true``; vLLM's default
+in async mode): it decodes the next round while the update runs, both sides sharing the
+cores; its wall time holds the worker's start (``samples/s of steps`` leaves it out). Wall time
+also holds the ``k`` rounds it generates before the first update (samples/s counts
 trained samples), which weighs on short runs. ``partial`` is async with partial rollouts
 (CoPRIS: ``concurrent_rollouts`` = 2 x the step's prompts, ``--chunk`` tokens between counts of
 finished groups, ``max_staleness`` from ``--partial-staleness``): a step stops decoding once
@@ -34,11 +37,12 @@ from typing import Any
 
 from rlvr_lightning.stages.hooks import RLVRCallback
 
-MODES = {
-    "sync": ("sync", 1),
-    "async1": ("async", 1),
-    "async2": ("async", 2),
-    "partial": ("async", 0),
+MODES = {  # rollout_mode, max_staleness (0: partial), engine in a worker process
+    "sync": ("sync", 1, False),
+    "async1": ("async", 1, False),
+    "async2": ("async", 2, False),
+    "worker1": ("async", 1, True),
+    "partial": ("async", 0, False),
 }
 
 
@@ -54,7 +58,9 @@ class Steps(RLVRCallback):
         self.lengths += output.lengths.flatten().tolist()
 
 
-def build(args: argparse.Namespace, mode: str, staleness: int) -> tuple[Any, Any, Any, Steps]:
+def build(
+    args: argparse.Namespace, mode: str, staleness: int, process: bool
+) -> tuple[Any, Any, Any, Steps]:
     """The module, data module and trainer of one run."""
     import lightning.pytorch as pl
 
@@ -70,7 +76,7 @@ def build(args: argparse.Namespace, mode: str, staleness: int) -> tuple[Any, Any
     kwargs = grouped(
         functions=functions, lr=args.lr, micro_batch_size=args.prompts * args.group_size
     )
-    kwargs.update(engine=args.engine)
+    kwargs.update(engine=args.engine, engine_kwargs={"process": process})
     if staleness == 0:  # partial rollouts
         kwargs.update(concurrent_rollouts=2 * args.prompts, partial_chunk_tokens=args.chunk)
         staleness = args.partial_staleness
@@ -92,8 +98,7 @@ def build(args: argparse.Namespace, mode: str, staleness: int) -> tuple[Any, Any
 
 def run(args: argparse.Namespace, name: str) -> dict[str, float]:
     """One mode: fit, then greedy validation; its row of the table."""
-    mode, staleness = MODES[name]
-    module, data, trainer, steps = build(args, mode, staleness)
+    module, data, trainer, steps = build(args, *MODES[name])
     start = time.perf_counter()
     trainer.fit(module, datamodule=data)
     wall = time.perf_counter() - start
@@ -102,11 +107,16 @@ def run(args: argparse.Namespace, name: str) -> dict[str, float]:
     gen = [s["gen_time_s"] + s["score_time_s"] for s in m]
     upd = [s["update_time_s"] for s in m]
     step = [s["step_time_s"] for s in m]
+    # async: as logged (a worker process measures its own busy time); sync: the stage times.
+    trainer_idle = [s.get("async/trainer_idle_s", g) for s, g in zip(m, gen, strict=True)]
+    worker_idle = [s.get("async/worker_idle_s", u) for s, u in zip(m, upd, strict=True)]
     lengths = sorted(steps.lengths)
+    module.engine.close() if hasattr(module.engine, "close") else None
     return {
         "samples/s": len(lengths) / wall,
-        "trainer idle": sum(gen) / sum(step),
-        "worker idle": sum(upd) / sum(step),
+        "samples/s of steps": len(lengths) / sum(step),
+        "trainer idle": sum(trainer_idle) / sum(step),
+        "worker idle": sum(worker_idle) / sum(step),
         "est. speed-up": sum(g + u for g, u in zip(gen, upd, strict=True))
         / sum(map(max, gen, upd)),
         "len p50": statistics.median(lengths),

@@ -185,10 +185,11 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
 
     # ---- stages (rollout: stages/generation.py, update and π_old: stages/optimise.py) --------
 
-    def score(self, batch: PromptBatch, rollouts: Rollouts) -> Scored:
+    def score(self, batch: PromptBatch, rollouts: Rollouts, state: Any = None) -> Scored:
         """Run the reward functions (``stages.scoring``: the batch's columns repeated ``G``
-        times, plus ``prompts``, ``completion_ids`` and ``completion_length``)."""
-        r, state = self.options.rewards, RewardState.of(self._trainer)
+        times, plus ``prompts``, ``completion_ids`` and ``completion_length``) under ``state``
+        (a ``RewardState``; None: the trainer's now)."""
+        r, state = self.options.rewards, state or RewardState.of(self._trainer)
         return score_rollouts(
             self.rewards, batch, rollouts, self.accuracy_reward, r.accuracy_threshold, state
         )
@@ -251,6 +252,7 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
         update_metrics = self.update(scored, advantages, groups)
         self.push_weights()  # async: the weights become the next policy version
         self._clock.lap()
+        self.finish_round()  # async with a worker process: the round it decoded meanwhile
         output = self.step_output(batch, scored, advantages, update_metrics, groups)
         output.metrics.update({**extra, **mismatch, **self.step_metrics(scored.rollouts)})
         self.publish(output)
@@ -271,14 +273,22 @@ class RLVRModule(StepLifecycle, GenerationStage, UpdateStage, DynamicStage, Asyn
         start = time.perf_counter()
         batch = self._run_hooks("on_before_generate", batch)
         batch, rollouts = (batch, self.rollout(batch)) if rollout is None else rollout(batch)
-        generated = time.perf_counter()
+        gen_s = time.perf_counter() - start
         if rollouts is None:
-            self._clock.add(gen=generated - start, score=0.0)
+            self._clock.add(gen=gen_s, score=0.0)
             return None
-        scored = self.score(batch, rollouts)
+        return self.scored_round(batch, rollouts, gen_s)
+
+    def scored_round(
+        self, batch: PromptBatch, rollouts: Rollouts, gen_s: float, state: Any = None
+    ) -> Scored:
+        """Score a round's rows (``state``: the ``RewardState`` to score under, else the
+        trainer's now), then the ``on_after_score`` hooks (``step_batch`` its prompts)."""
+        start = time.perf_counter()
+        scored = self.score(batch, rollouts, state)
         self.step_batch = batch  # the prompts of the scored rows, for on_after_score hooks
         scored = self._run_hooks("on_after_score", scored)
-        self._clock.add(gen=generated - start, score=time.perf_counter() - generated)
+        self._clock.add(gen=gen_s, score=time.perf_counter() - start)
         return scored
 
     def step_output(self, batch: PromptBatch, scored: Scored, advantages: torch.Tensor,

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from rlvr_lightning.data.phrasing import QUESTION_FORMS
 from rlvr_lightning.data.sources import Example, make_prompt_id
 
 BUILTIN_TASKS = ("addition", "multiplication")
@@ -24,7 +25,7 @@ Item ``i`` of a reasoning-gym dataset is drawn from ``Random(seed + i)``, so tra
 seeds must be far apart or validation would replay train items shifted by a few indices.
 """
 
-_ADDITION_CONFIG = ("digits",)
+_ADDITION_CONFIG = ("digits", "question_forms")
 _GYM_RESERVED = ("size", "seed")
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
 
@@ -44,6 +45,7 @@ def validate_task(source: str, config: Mapping[str, Any] | None) -> None:
                 f"Unknown task_config keys {unknown} for {source}; valid: {list(_ADDITION_CONFIG)}."
             )
         _check_digits(config.get("digits", 1))
+        _check_forms(config.get("question_forms"))
     elif source.startswith(GYM_PREFIX):
         _gym_config(source.removeprefix(GYM_PREFIX), config, size=1, seed=0)
     else:
@@ -79,9 +81,29 @@ def _check_digits(digits: object) -> None:
         raise ValueError(f"task_config.digits must be an int in [1, 9], got {digits!r}.")
 
 
-def _arithmetic_example(a: int, b: int, op: str) -> Example:
+def _check_forms(forms: object) -> None:
+    """``question_forms``: None or a list of templates with ``{a}``, ``{b}`` (and optionally
+    ``{op}``), none of them a form of the paraphrased validation split."""
+    if forms is None:
+        return
+    reserved = {f for group in QUESTION_FORMS.values() for f in group}
+    for form in forms if isinstance(forms, list | tuple) and forms else [None]:
+        if not isinstance(form, str) or "{a}" not in form or "{b}" not in form:
+            raise ValueError(
+                f"task_config.question_forms must be a non-empty list of templates with {{a}} "
+                f"and {{b}} (e.g. 'Find {{a}} + {{b}}.'), got {forms!r}."
+            )
+        if form.replace("{op}", "+") in reserved or form.replace("{op}", "*") in reserved:
+            raise ValueError(
+                f"task_config.question_forms: {form!r} is a question form of the paraphrased "
+                "validation split, which must stay unseen in training; choose another wording."
+            )
+
+
+def _arithmetic_example(a: int, b: int, op: str, form: str | None = None) -> Example:
     task = "addition" if op == "+" else "multiplication"
-    prompt, answer = f"What is {a} {op} {b}?", str(a + b if op == "+" else a * b)
+    question = f"What is {a} {op} {b}?" if form is None else form.format(a=a, b=b, op=op)
+    prompt, answer = question, str(a + b if op == "+" else a * b)
     # A worked reference (for guidance callbacks such as GroundTruthInjection).
     columns = {"answer": answer, "solution": f"{a} {op} {b} = \\boxed{{{answer}}}", "task": task}
     return Example(make_prompt_id(task, prompt, answer), prompt, columns)
@@ -99,8 +121,28 @@ def _operand_pairs(digits: int, train_size: int, val_size: int, seed: int) -> li
     return [(code // base, code % base) for code in codes]
 
 
+def _arithmetic_split(
+    op: str, digits: int, forms: list[str] | None, train_size: int, val_size: int, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """``(train, validation)``: validation asks ``What is a op b?``; each training problem is
+    asked with one of ``forms`` (drawn once per problem from ``seed``), else the same way."""
+    pairs = _operand_pairs(digits, train_size, val_size, seed)
+    pick = random.Random(f"question_forms:{seed}")
+    val = [_arithmetic_example(a, b, op) for a, b in pairs[:val_size]]
+    train = [
+        _arithmetic_example(a, b, op, pick.choice(forms) if forms else None)
+        for a, b in pairs[val_size:]
+    ]
+    return train, val
+
+
 def addition_examples(
-    digits: int = 1, *, train_size: int, val_size: int, seed: int
+    digits: int = 1,
+    question_forms: list[str] | None = None,
+    *,
+    train_size: int,
+    val_size: int,
+    seed: int,
 ) -> tuple[list[Example], list[Example]]:
     """``"What is a + b?"`` problems with operands of up to ``digits`` digits, split disjointly.
 
@@ -110,26 +152,31 @@ def addition_examples(
 
     Args:
         digits: operands range over ``0 .. 10**digits - 1``.
+        question_forms: templates (``{a}``, ``{b}``, ``{op}``) training problems are asked
+            with, one drawn per problem, e.g. ``"Find {a} + {b}."``; None: ``What is a + b?``.
+            Validation always asks ``What is a + b?`` (the paraphrased split rewords it with
+            forms training may not use: refused here).
         train_size: training problems wanted.
         val_size: validation problems.
         seed: seed of the draw.
     """
-    pairs = _operand_pairs(digits, train_size, val_size, seed)
-    examples = [_arithmetic_example(a, b, "+") for a, b in pairs]
-    return examples[val_size:], examples[:val_size]
+    return _arithmetic_split("+", digits, question_forms, train_size, val_size, seed)
 
 
 def multiplication_examples(
-    digits: int = 1, *, train_size: int, val_size: int, seed: int
+    digits: int = 1,
+    question_forms: list[str] | None = None,
+    *,
+    train_size: int,
+    val_size: int,
+    seed: int,
 ) -> tuple[list[Example], list[Example]]:
     """``"What is a * b?"`` problems, drawn and split like ``addition_examples``.
 
     A second built-in task with another difficulty profile: the embedded SmolLM2-135M solves
     one-digit products less often than sums, and two-digit products rarely.
     """
-    pairs = _operand_pairs(digits, train_size, val_size, seed)
-    examples = [_arithmetic_example(a, b, "*") for a, b in pairs]
-    return examples[val_size:], examples[:val_size]
+    return _arithmetic_split("*", digits, question_forms, train_size, val_size, seed)
 
 
 # --- reasoning-gym -------------------------------------------------------------------------

@@ -18,7 +18,8 @@ class Asynchrony:
         max_staleness: policy versions a trained sample may lag (one version per update); a
             sample beyond it is dropped before the loss and counted (``async/dropped_rows``).
         deterministic_schedule: the generator is exactly ``max_staleness`` versions ahead, never
-            racing (the in-process schedule), so a run resumes bit for bit.
+            racing (in this process, or a worker process decoding one round during the
+            update: ``rollout.process``), so a run resumes bit for bit.
         concurrent_rollouts: partial rollouts (CoPRIS), ``async`` only: at most this many
             groups decode at once; a step decodes until it has as many finished groups as it
             trains (early termination), trains those at once, and the unfinished rows keep
@@ -36,6 +37,13 @@ class Asynchrony:
     partial_chunk_tokens: int = 16
 
     @property
+    def overlaps(self) -> bool:
+        """Whether a round is generated while the update runs: ``async`` without partial
+        rollouts, with an engine in its own process (vLLM's default then,
+        ``rollout.process``); the HF engine takes turns with the update in this process."""
+        return self.rollout_mode == "async" and self.concurrent_rollouts is None
+
+    @property
     def partial(self) -> bool:
         """Whether partial rollouts are on."""
         return self.rollout_mode == "async" and self.concurrent_rollouts is not None
@@ -48,9 +56,9 @@ class Asynchrony:
             )
         if not self.deterministic_schedule:
             raise ValueError(
-                "deterministic_schedule: false needs a generator that races the trainer in its "
-                "own process, which this version does not have; set it to true (the in-process "
-                "schedule, exactly max_staleness versions ahead)."
+                "deterministic_schedule: false would let the generator race the trainer, and no "
+                "such run could be resumed exactly, so it is not built; set it to true (the "
+                "generator exactly max_staleness versions ahead, in a worker process or not)."
             )
         self._check_partial()
 

@@ -18,6 +18,12 @@ POSITION_TEMPERATURE_REFUSAL = (
 )
 
 
+def request_seeds(n: int) -> list[int]:
+    """One sampling seed per request row, drawn from torch's global RNG (so
+    ``torch.manual_seed`` makes an engine's rollouts reproducible), where the request is made."""
+    return torch.randint(0, 2**31 - 1, (n,)).tolist()
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates ``G`` completions per prompt and keeps its weights in sync with the policy.

@@ -74,12 +74,41 @@ def build_engine(
     tokenizer: PreTrainedTokenizerBase,
     dtype: str,
     engine_kwargs: dict[str, Any] | None = None,
+    process: bool = False,
 ) -> RolloutEngine:
-    """The engine ``engine`` resolves to, with ``engine_kwargs`` passed to its constructor."""
+    """The engine ``engine`` resolves to, with ``engine_kwargs`` passed to its constructor.
+
+    ``engine_kwargs["process"]``: run it in a worker process (``rollout.process``): vLLM, or
+    the HF engine on its own copy of the policy (``rollout.hf_copy``). Unset: vLLM follows
+    ``process`` (the caller's default: ``rollout_mode: async``), HF stays in this process
+    (measured: README "Asynchronous rollouts")."""
     kwargs = dict(engine_kwargs or {})
-    if resolve_engine(engine, policy) == "hf":
+    own_process = kwargs.pop("process", None)
+    name = resolve_engine(engine, policy)
+    if name == "hf" and not own_process:
         return HFEngine(model, tokenizer, **kwargs)
+    args = (model_folder(policy, model, tokenizer), tokenizer)
+    if name == "hf":
+        from rlvr_lightning.rollout.process import ProcessEngine
+
+        return ProcessEngine(build_hf_copy, args, {"dtype": dtype, **kwargs}, tokenizer)
+    kwargs.setdefault("dtype", dtype)
+    if not (process if own_process is None else own_process):
+        return build_vllm(*args, **kwargs)
+    from rlvr_lightning.rollout.process import ProcessEngine
+
+    return ProcessEngine(build_vllm, args, kwargs, tokenizer)
+
+
+def build_hf_copy(*args: Any, **kwargs: Any) -> RolloutEngine:
+    """``HFCopyEngine(*args, **kwargs)``: the HF engine on its own copy (in the worker)."""
+    from rlvr_lightning.rollout.hf_copy import HFCopyEngine
+
+    return HFCopyEngine(*args, **kwargs)
+
+
+def build_vllm(*args: Any, **kwargs: Any) -> RolloutEngine:
+    """``VLLMEngine(*args, **kwargs)``, importing vLLM only now (here or in the worker)."""
     from rlvr_lightning.rollout.vllm import VLLMEngine
 
-    kwargs.setdefault("dtype", dtype)
-    return VLLMEngine(model_folder(policy, model, tokenizer), tokenizer, **kwargs)
+    return VLLMEngine(*args, **kwargs)

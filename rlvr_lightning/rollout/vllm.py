@@ -34,7 +34,7 @@ import vllm
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from vllm.platforms import current_platform
 
-from rlvr_lightning.rollout.base import POSITION_TEMPERATURE_REFUSAL
+from rlvr_lightning.rollout.base import POSITION_TEMPERATURE_REFUSAL, request_seeds
 from rlvr_lightning.rollout.hf import completion_mask
 from rlvr_lightning.types import Rollouts, Sampling
 
@@ -91,7 +91,9 @@ def _kv_cache_bytes(kv_cache_gb: float | None, on_cpu: bool) -> int | None:
 def _caller_rng_kept() -> Iterator[None]:
     """Restore Python's, NumPy's and torch's global RNG states after the block: an in-process
     ``vllm.LLM`` seeds them all with its own ``seed`` when it starts, which would undo the
-    run's ``seed_everything`` (every seed sampled the same rollouts) and a resumed run's RNG."""
+    run's ``seed_everything`` (every seed sampled the same rollouts) and a resumed run's RNG,
+    and its ``generate`` draws from torch's RNG even for seeded requests, so the run's stream
+    would depend on vLLM's internals and differ from an engine in its own process."""
     states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
@@ -217,7 +219,9 @@ class VLLMEngine:
 
     # ---- generation -----------------------------------------------------------------------
 
-    def _params(self, sampling: Sampling, temperatures: torch.Tensor | None, n: int):
+    def _params(
+        self, sampling: Sampling, temperatures: torch.Tensor | None, n: int, seeds: list[int] | None
+    ):
         greedy = sampling.temperature <= 0 and temperatures is None
         temps = (
             torch.full((n,), 0.0 if greedy else sampling.temperature)
@@ -226,7 +230,7 @@ class VLLMEngine:
         )  # [N]
         if not greedy and bool((temps <= 0).any()):
             raise ValueError("Per-row temperatures must be > 0; use temperature=0 for greedy.")
-        seeds = torch.randint(0, 2**31 - 1, (n,)).tolist()
+        seeds = request_seeds(n) if seeds is None else seeds
         params = [
             vllm.SamplingParams(
                 n=1,
@@ -251,16 +255,20 @@ class VLLMEngine:
         sampling: Sampling,
         temperatures: torch.Tensor | None = None,
         position_temperatures: torch.Tensor | None = None,
+        seeds: list[int] | None = None,
     ) -> Rollouts:
+        """``seeds``: one per row, drawn by the caller (``rollout.process``); None draws them
+        here (``rollout.base.request_seeds``)."""
         if position_temperatures is not None:
             raise ValueError(POSITION_TEMPERATURE_REFUSAL)
         g = sampling.group_size
         ids = prompt_ids.repeat_interleave(g, dim=0)  # [N, P]
         mask = prompt_mask.repeat_interleave(g, dim=0)  # [N, P]
-        params, temps = self._params(sampling, temperatures, ids.shape[0])
+        params, temps = self._params(sampling, temperatures, ids.shape[0], seeds)
         prompts = [{"prompt_token_ids": p} for p in unpad_prompts(ids, mask)]
         self.wake_up()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        with _caller_rng_kept():  # vLLM's scheduler draws from torch's RNG even when seeded
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         self.sleep()
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logps = [
@@ -296,9 +304,10 @@ class VLLMEngine:
         from vLLM's prompt log-probs; used to check weight sync."""
         params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         self.wake_up()
-        out = self.llm.generate(
-            [{"prompt_token_ids": prompt_ids + completion_ids}], params, use_tqdm=False
-        )[0]
+        with _caller_rng_kept():
+            out = self.llm.generate(
+                [{"prompt_token_ids": prompt_ids + completion_ids}], params, use_tqdm=False
+            )[0]
         steps = out.prompt_logprobs[len(prompt_ids) :]
         return torch.tensor(
             [s[t].logprob for s, t in zip(steps, completion_ids, strict=True)]

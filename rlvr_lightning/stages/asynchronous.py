@@ -9,6 +9,7 @@ A mixin of ``RLVRModule``, as the other stages; the queue, schedule and fingerpr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from rlvr_lightning.asynchrony import QueuedRound, RolloutQueue, WeightSync, fin
 from rlvr_lightning.asynchrony.fingerprint import module_sums
 from rlvr_lightning.asynchrony.partial import PartialPool
 from rlvr_lightning.device import weights_cast_once
+from rlvr_lightning.rewards.trl_contract import RewardState
 from rlvr_lightning.rollout.base import policy_weights
 from rlvr_lightning.stages import partial
 from rlvr_lightning.types import PromptBatch, Rollouts, Scored
@@ -44,6 +46,8 @@ class AsyncStage(pl.LightningModule):
     _warned_staleness = False
     _readable: list[str] | None = None  # modules the engine's weights can be read back from
     _weight_sync: WeightSync | None = None
+    _in_flight: tuple | None = None  # the round the worker process decodes (overlapped)
+    _overlap_s: dict[str, float] | None = None  # its wait and busy seconds, for the metrics
 
     @property
     def rollout_queue(self) -> RolloutQueue:
@@ -84,6 +88,8 @@ class AsyncStage(pl.LightningModule):
             return self._partial_round(batch)
         a = self.options.asynchrony
         version = self._checked_version()
+        if hasattr(self.engine, "submit") and not self.options.multiturn.enabled:
+            return self._overlapped_round(batch, version)
         scored = self.generate_round(batch)
         served = self._data_call("hold_step", [])
         self.rollout_queue.put(QueuedRound(batch, scored, version, self._rollout_step, served))
@@ -96,6 +102,50 @@ class AsyncStage(pl.LightningModule):
         self._data_call("resume_step", None, queued.served)
         self.step_batch = queued.batch
         return queued.batch, queued.scored, metrics
+
+    def _overlapped_round(
+        self, batch: PromptBatch, version: int
+    ) -> tuple[PromptBatch, Scored | None, dict]:
+        """The same schedule with the engine in its own process: ``batch`` is sent to it (by
+        version ``version``), the oldest queued round trains while it decodes, and
+        ``finish_round`` (after the update) scores its rows and queues them. The rounds, their
+        versions and the RNG stream are those of the in-process schedule; the round's
+        ``on_after_score`` hooks run when its rows arrive, after this step's update, and its
+        rewards see the trainer's state of when it was sent (``RewardState``)."""
+        a = self.options.asynchrony
+        batch = self._run_hooks("on_before_generate", batch)
+        ticket = self.submit_rollout(batch)
+        served = self._data_call("hold_step", [])
+        state = RewardState.of(self._trainer)
+        self._in_flight = (batch, ticket, state, version, self._rollout_step, served)
+        queued = self.rollout_queue.take(version, a.max_staleness, ahead=a.max_staleness - 1)
+        metrics = self._queue_metrics(version, queued)
+        self.log("async/queue", float(len(self.rollout_queue) + 1), prog_bar=True, batch_size=1)
+        if queued is None:  # nothing to train yet: wait for it now
+            self.finish_round()
+            self._overlap_s = None
+            self._rollout_step += 1
+            return batch, None, metrics
+        self._data_call("resume_step", None, queued.served)
+        self.step_batch = queued.batch
+        return queued.batch, queued.scored, metrics
+
+    def finish_round(self) -> None:
+        """The round sent by ``_overlapped_round``, once decoded: scored, through the
+        ``on_after_score`` hooks, queued (a no-op when none is in flight). ``step_batch``
+        keeps the trained round's prompts for the rest of the step."""
+        if self._in_flight is None:
+            return
+        batch, ticket, state, version, step, served = self._in_flight
+        self._in_flight, trained = None, getattr(self, "step_batch", None)
+        waited = time.perf_counter()
+        rollouts = self.engine.collect(ticket)
+        waited = time.perf_counter() - waited
+        busy = self.engine.take_busy()
+        scored = self.scored_round(batch, rollouts, busy, state)
+        self.rollout_queue.put(QueuedRound(batch, scored, version, step, served))
+        self.step_batch = trained
+        self._overlap_s = {"wait": waited, "busy": busy}
 
     def _partial_round(self, batch: PromptBatch) -> tuple[PromptBatch, Scored | None, dict]:
         """Partial rollouts (``stages.partial``): ``batch`` joins the groups in flight, which
@@ -197,9 +247,19 @@ class AsyncStage(pl.LightningModule):
     def step_metrics(self, rollouts: Rollouts) -> dict[str, float]:
         """The step clock's metrics; in ``async`` mode also the idle shares of both sides. In
         this process the two take turns: the trainer is idle while the round is generated and
-        scored, the generator while the update runs."""
+        scored, the generator while the update runs. With the engine in its own process
+        (``_overlapped_round``) the trainer is idle while it waits for the rows, the worker
+        for the rest of the step (its busy time is its own clock's)."""
         out = self._clock.metrics(rollouts)
-        if self.asynchronous:
+        overlap, self._overlap_s = self._overlap_s, None
+        if overlap is not None:
+            out["step_time_s"] += overlap["wait"] + out["score_time_s"]
+            step = max(out["step_time_s"], 1e-9)
+            out["async/trainer_idle_s"] = overlap["wait"]
+            out["async/worker_idle_s"] = max(step - overlap["busy"], 0.0)
+            out["async/trainer_idle_share"] = out["async/trainer_idle_s"] / step
+            out["async/worker_idle_share"] = out["async/worker_idle_s"] / step
+        elif self.asynchronous:
             step = max(out["step_time_s"], 1e-9)
             out["async/trainer_idle_s"] = out["gen_time_s"] + out["score_time_s"]
             out["async/worker_idle_s"] = out["update_time_s"]

@@ -54,6 +54,7 @@ class GenerationStage(pl.LightningModule):
                 self.tokenizer,
                 engine_dtype(h.dtype, precision),
                 h.engine_kwargs,
+                process=self.options.asynchrony.overlaps,
             )
         return self._engine
 
@@ -96,9 +97,7 @@ class GenerationStage(pl.LightningModule):
         by default the batch's per-prompt ``temperatures`` when sampling is not greedy; the
         batch's ``position_temperatures`` go to the engine as they are)."""
         sampling = sampling or self.sampling
-        if temperatures is None and batch.temperatures is not None and sampling.temperature > 0:
-            per_prompt = [sampling.temperature if t is None else t for t in batch.temperatures]
-            temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
+        temperatures = self._row_temperatures(batch, sampling, temperatures)
         self.sync_engine()
         if self.options.multiturn.enabled:
             with weights_cast_once(self.device.type):
@@ -106,15 +105,33 @@ class GenerationStage(pl.LightningModule):
                     self.engine, self.tokenizer, self.sessions, batch, sampling,
                     self.options.multiturn, temperatures, self.device,
                 )  # fmt: skip
-        ids, mask = self.encode_prompts(batch)
         with weights_cast_once(self.device.type):  # the weights are fixed while it decodes
-            return self.engine.generate(
-                ids,
-                mask,
-                sampling,
-                temperatures,
-                position_temperatures=batch.position_temperatures,
-            )
+            return self.engine.generate(*self.engine_request(batch, sampling, temperatures))
+
+    def engine_request(
+        self, batch: PromptBatch, sampling: Sampling, temperatures: torch.Tensor | None
+    ) -> tuple:
+        """The engine's ``generate`` arguments for ``batch`` (single-turn): prompt ids and
+        mask, sampling, per-row and per-position temperatures."""
+        ids, mask = self.encode_prompts(batch)
+        return ids, mask, sampling, temperatures, batch.position_temperatures
+
+    def submit_rollout(self, batch: PromptBatch) -> int:
+        """``rollout(batch)`` sent to an engine in its own process (``rollout.process``),
+        which decodes while this process goes on; ``engine.collect(ticket)`` gives the rows."""
+        temperatures = self._row_temperatures(batch, self.sampling, None)
+        self.sync_engine()
+        return self.engine.submit(*self.engine_request(batch, self.sampling, temperatures))
+
+    @staticmethod
+    def _row_temperatures(
+        batch: PromptBatch, sampling: Sampling, temperatures: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``temperatures``, else the batch's per-prompt ones per row when sampling."""
+        if temperatures is None and batch.temperatures is not None and sampling.temperature > 0:
+            per_prompt = [sampling.temperature if t is None else t for t in batch.temperatures]
+            temperatures = torch.tensor(per_prompt).repeat_interleave(sampling.group_size)
+        return temperatures
 
     def sync_engine(self) -> None:
         """Load the policy's weights into an engine that holds its own copy (vLLM), once per

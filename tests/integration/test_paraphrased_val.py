@@ -37,3 +37,18 @@ def test_off_logs_no_split(tmp_path):
     cli = build_cli(["validate", "--config", CONFIG, "--data.init_args.paraphrased_val=false"])
     assert "val/accuracy" in cli.trainer.callback_metrics
     assert not SPLIT_KEYS & set(cli.trainer.callback_metrics)
+
+
+def test_a_training_question_form_of_the_split_is_refused_by_the_cli(capsys):
+    import pytest
+
+    from rlvr_lightning.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([
+            "fit", "--config", CONFIG,
+            "--data.init_args.task_config={digits: 1, question_forms: ['{a} + {b} = ?']}",
+        ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err, err
+    assert "'{a} + {b} = ?' is a question form of the paraphrased validation split" in err

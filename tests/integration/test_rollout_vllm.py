@@ -180,7 +180,7 @@ def test_engine_built_in_inference_mode_still_syncs(folder):
     assert diff < 1e-3  # the halved weights were loaded
 
 
-def _vllm_module(folder, **kwargs) -> RLVRModule:
+def _vllm_module(folder, engine_kwargs=None, **kwargs) -> RLVRModule:
     """The tiny saved model on the vLLM engine: digit reward, G = 4, 8 tokens, lr 1e-2."""
     return RLVRModule(
         str(folder),
@@ -191,9 +191,35 @@ def _vllm_module(folder, **kwargs) -> RLVRModule:
             micro_batch_size=4,
             lr=1e-2,
             engine="vllm",
-            engine_kwargs={"kv_cache_gb": KV_GB},
+            engine_kwargs={"kv_cache_gb": KV_GB, **(engine_kwargs or {})},
         ),
     )
+
+
+def test_async_with_the_engine_in_its_own_process_trains_as_in_process(folder):
+    """rollout_mode: async puts vLLM in a worker process that decodes the next round while
+    the update runs: the same rounds, versions and request seeds as the in-process schedule,
+    so the same weights; the idle shares of both sides are logged."""
+    from lightning.pytorch import seed_everything
+
+    from rlvr_lightning.rollout.process import ProcessEngine
+
+    weights, logged = [], []
+    for process in (True, False):
+        seed_everything(0)
+        module = _vllm_module(folder, {"process": process}, rollout_mode="async", max_staleness=2)
+        data = RLVRDataModule("addition", train_size=16, val_size=4, prompts_per_step=2)
+        trainer = quiet_trainer(max_steps=3)
+        trainer.fit(module, datamodule=data)
+        assert isinstance(module.engine, ProcessEngine) is process
+        weights.append(module.policy.state_dict())
+        logged.append(set(trainer.logged_metrics))
+        if process:
+            module.engine.close()
+            assert module.engine._process.exitcode == 0
+    for name, a in weights[0].items():
+        assert torch.equal(a, weights[1][name]), name
+    assert {"train/async/trainer_idle_share", "train/async/worker_idle_share"} <= logged[0]
 
 
 def test_module_with_vllm_engine_trains_and_syncs_each_step(folder, engine):

@@ -65,7 +65,7 @@ def test_unknown_task_lists_valid_sources():
 
 
 def test_addition_config_is_checked():
-    with pytest.raises(ValueError, match=r"Unknown task_config keys \['digit'\].*\['digits'\]"):
+    with pytest.raises(ValueError, match=r"Unknown task_config keys \['digit'\].*\['digits', 'question_forms'\]"):
         validate_task("addition", {"digit": 2})
     with pytest.raises(ValueError, match="digits must be an int"):
         validate_task("addition", {"digits": 0})
@@ -136,3 +136,28 @@ def test_gym_verifier_scores_boxed_answers(chain_sum_splits):
 )
 def test_extract_final_answer(completion, expected):
     assert extract_final_answer(completion) == expected
+
+
+def test_question_forms_vary_training_and_leave_validation_alone():
+    forms = ["Find {a} + {b}.", "How much is {a} plus {b}?"]
+    train, val = addition_examples(1, forms, train_size=40, val_size=20, seed=3)
+    plain_train, plain_val = addition_examples(1, train_size=40, val_size=20, seed=3)
+    assert [e.prompt for e in val] == [e.prompt for e in plain_val]  # "What is a + b?"
+    assert {e.prompt.split(" ")[0] for e in train} == {"Find", "How"}  # both forms drawn
+    for e, plain in zip(train, plain_train, strict=True):  # same sums, answers, solutions
+        assert e.columns == plain.columns
+        a, b = plain.prompt.removeprefix("What is ").removesuffix("?").split(" + ")
+        assert e.prompt in (forms[0].format(a=a, b=b), forms[1].format(a=a, b=b))
+    again, _ = addition_examples(1, forms, train_size=40, val_size=20, seed=3)
+    assert [e.prompt for e in again] == [e.prompt for e in train]
+
+
+def test_question_forms_of_the_paraphrased_split_or_without_operands_are_refused():
+    with pytest.raises(ValueError, match="'Add {a} and {b}.' is a question form of the para"):
+        validate_task("addition", {"question_forms": ["Find {a} + {b}.", "Add {a} and {b}."]})
+    with pytest.raises(ValueError, match="is a question form of the paraphrased"):
+        validate_task("multiplication", {"question_forms": ["Compute {a} {op} {b}."]})
+    with pytest.raises(ValueError, match=r"templates with \{a\} and \{b\}"):
+        validate_task("addition", {"question_forms": ["What is a + b?"]})
+    with pytest.raises(ValueError, match="non-empty list"):
+        validate_task("addition", {"question_forms": []})
