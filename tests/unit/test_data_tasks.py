@@ -65,7 +65,8 @@ def test_unknown_task_lists_valid_sources():
 
 
 def test_addition_config_is_checked():
-    with pytest.raises(ValueError, match=r"Unknown task_config keys \['digit'\].*\['digits', 'question_forms'\]"):
+    keys = r"Unknown task_config keys \['digit'\].*\['digits', 'question_forms'\]"
+    with pytest.raises(ValueError, match=keys):
         validate_task("addition", {"digit": 2})
     with pytest.raises(ValueError, match="digits must be an int"):
         validate_task("addition", {"digits": 0})
@@ -153,7 +154,7 @@ def test_question_forms_vary_training_and_leave_validation_alone():
 
 
 def test_question_forms_of_the_paraphrased_split_or_without_operands_are_refused():
-    with pytest.raises(ValueError, match="'Add {a} and {b}.' is a question form of the para"):
+    with pytest.raises(ValueError, match=r"'Add \{a\} and \{b\}\.' is a question form of the para"):
         validate_task("addition", {"question_forms": ["Find {a} + {b}.", "Add {a} and {b}."]})
     with pytest.raises(ValueError, match="is a question form of the paraphrased"):
         validate_task("multiplication", {"question_forms": ["Compute {a} {op} {b}."]})

@@ -85,7 +85,7 @@ def test_an_error_in_the_worker_is_raised_here_and_the_worker_goes_on(policy, wo
 
 
 def test_a_dead_worker_is_named_and_a_closed_one_is_gone(policy):
-    model, tokenizer, folder = policy
+    _, tokenizer, folder = policy
     engine = ProcessEngine(build_hf_copy, (folder, tokenizer), {}, tokenizer)
     engine._process.kill()
     engine._process.join()
