@@ -28,6 +28,7 @@ def fresh(monkeypatch, tmp_path):
     """An empty cache folder and no decisions made; the process's own decisions come back."""
     monkeypatch.setenv(fast_paths.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(fast_paths.ENV, raising=False)
+    monkeypatch.setattr(fast_paths.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     made, state = dict(fast_paths._made), dict(fast_paths._state)
     fast_paths.reset()
     yield tmp_path
@@ -127,6 +128,24 @@ def test_unsteady_timings_are_used_but_not_cached(monkeypatch, fresh):
     assert "unsteady: not cached" in fast_paths.chosen()["toy/float32"].source
     assert not (Path(fresh) / fast_paths.CACHE_FILE).exists()
     assert fast_paths.summary() == "toy/float32 fast (measured, unsteady)"
+
+
+def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(monkeypatch, fresh):
+    """Other processes on the cores change which candidate wins (bf16 came out slower than fp32
+    so, issue 40): the run uses what it measured, the next one measures again."""
+    _toy_path(monkeypatch, {"ref": 1.0, "fast": 1.0})
+    _mock_times(monkeypatch, {"ref": 0.030, "fast": 0.010})
+    cores = fast_paths.os.cpu_count()
+    monkeypatch.setattr(fast_paths.os, "getloadavg", lambda: (cores + 1.0, 0.0, 0.0))
+    assert fast_paths.choice("toy", torch.float32) == "fast"
+    source = fast_paths.chosen()["toy/float32"].source
+    assert f"busy machine (load average {cores + 1:.1f} on {cores} cores): not cached" in source
+    assert not (Path(fresh) / fast_paths.CACHE_FILE).exists()
+    assert fast_paths.summary() == "toy/float32 fast (measured, busy)"
+    fast_paths._made.clear()  # quiet again: measured and cached
+    monkeypatch.setattr(fast_paths.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert fast_paths.choice("toy", torch.float32) == "fast"
+    assert (Path(fresh) / fast_paths.CACHE_FILE).exists()
 
 
 def test_a_candidate_that_raises_leaves_the_reference(monkeypatch, fresh):
