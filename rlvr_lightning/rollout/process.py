@@ -20,11 +20,11 @@ child that dies or raises surfaces here as a ``RuntimeError`` with its message.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import signal
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -95,7 +95,8 @@ class ProcessEngine:
         self._next_ticket = 0
         self._buffers: list[tuple[str, torch.Tensor]] | None = None
         self.busy_s = 0.0  # the child's seconds of work since the last ``take_busy``
-        atexit.register(self.close)
+        # Stopped when this engine is collected or at exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _stop, self._conn, self._process)
         info = self._receive(START_TIMEOUT_S)
         self.eos_ids, self.weights_dtype = info["eos_ids"], info["dtype"]
 
@@ -201,13 +202,17 @@ class ProcessEngine:
 
     def close(self) -> None:
         """Stop the child (asked, then killed after 10 s)."""
-        if not self._process.is_alive():
-            return
-        try:
-            self._conn.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
-        self._process.join(10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
+        self._finalizer()
+
+
+def _stop(conn: Any, process: Any) -> None:
+    if not process.is_alive():
+        return
+    try:
+        conn.send(("close", None))
+    except (BrokenPipeError, OSError):
+        pass
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join()

@@ -102,3 +102,15 @@ def test_a_worker_that_cannot_build_its_engine_says_why(policy, tmp_path):
     _, tokenizer, _ = policy
     with pytest.raises(RuntimeError, match="does not exist"):
         ProcessEngine(build_hf_copy, (str(tmp_path / "missing"), tokenizer), {}, tokenizer)
+
+
+def test_a_dropped_engine_stops_its_worker(policy):
+    import gc
+
+    _, tokenizer, folder = policy
+    engine = ProcessEngine(build_hf_copy, (folder, tokenizer), {}, tokenizer)
+    process = engine._process
+    del engine
+    gc.collect()
+    process.join(15)
+    assert process.exitcode == 0
