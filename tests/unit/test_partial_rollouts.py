@@ -108,6 +108,23 @@ def test_a_group_written_more_than_max_staleness_versions_ago_is_dropped():
     assert all(g.batch.prompt_ids != ["p12"] for g in pool.groups)
 
 
+def test_rows_whose_long_segments_differ_are_joined_to_the_longest_row():
+    """Row 0 wrote 3 tokens under version 0 and 1 under version 1, row 1 the other way round:
+    the segments' widths sum to 6, the longest row holds 4 (found on vLLM by the benchmark)."""
+    tok = byte_tokenizer()
+    segments = [
+        [([7, 8, 9], [-0.1, -0.2, -0.3]), ([10], [-0.4])],
+        [([7], [-0.5]), ([8, 9, 10], [-0.6, -0.7, -0.8])],
+    ]
+    r = assemble(tok, [[5], [5]], segments, [False, False], [1.0, 1.0], 2)
+    assert r.completion_ids.tolist() == [[7, 8, 9, 10], [7, 8, 9, 10]]
+    torch.testing.assert_close(
+        r.behaviour_logp, torch.tensor([[-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6, -0.7, -0.8]])
+    )
+    with pytest.raises(ValueError, match="differ in length"):
+        assemble(tok, [[5]], [[([7, 8], [-0.1])]], [False], [1.0], 1)
+
+
 def test_cross_stage_rows_carry_each_versions_log_probs_by_hand():
     tok = byte_tokenizer()
     prompts = [[5, 6], [5]]
