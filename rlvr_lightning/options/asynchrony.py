@@ -37,13 +37,6 @@ class Asynchrony:
     partial_chunk_tokens: int = 16
 
     @property
-    def overlaps(self) -> bool:
-        """Whether a round is generated while the update runs: ``async`` without partial
-        rollouts, with an engine in its own process (vLLM's default then,
-        ``rollout.process``); the HF engine takes turns with the update in this process."""
-        return self.rollout_mode == "async" and self.concurrent_rollouts is None
-
-    @property
     def partial(self) -> bool:
         """Whether partial rollouts are on."""
         return self.rollout_mode == "async" and self.concurrent_rollouts is not None

@@ -74,14 +74,14 @@ def build_engine(
     tokenizer: PreTrainedTokenizerBase,
     dtype: str,
     engine_kwargs: dict[str, Any] | None = None,
-    process: bool = False,
 ) -> RolloutEngine:
     """The engine ``engine`` resolves to, with ``engine_kwargs`` passed to its constructor.
 
     ``engine_kwargs["process"]``: run it in a worker process (``rollout.process``): vLLM, or
-    the HF engine on its own copy of the policy (``rollout.hf_copy``). Unset: vLLM follows
-    ``process`` (the caller's default: ``rollout_mode: async``), HF stays in this process
-    (measured: README "Asynchronous rollouts")."""
+    the HF engine on its own copy of the policy (``rollout.hf_copy``). Off by default: on the
+    2-core CPU it was measured on, a worker sharing the trainer's cores halved the samples/s
+    of both engines (README "Asynchronous rollouts"); turn it on where generation has cores
+    or a device of its own."""
     kwargs = dict(engine_kwargs or {})
     own_process = kwargs.pop("process", None)
     name = resolve_engine(engine, policy)
@@ -93,7 +93,7 @@ def build_engine(
 
         return ProcessEngine(build_hf_copy, args, {"dtype": dtype, **kwargs}, tokenizer)
     kwargs.setdefault("dtype", dtype)
-    if not (process if own_process is None else own_process):
+    if not own_process:
         return build_vllm(*args, **kwargs)
     from rlvr_lightning.rollout.process import ProcessEngine
 

@@ -156,18 +156,12 @@ class ProcessEngine:
 
     # ---- the engine protocol ----------------------------------------------------------------
 
-    def submit(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        sampling: Sampling,
-        temperatures: torch.Tensor | None = None,
-        position_temperatures: torch.Tensor | None = None,
-    ) -> int:
-        """Send a generation (seeds drawn now, here); ``collect(ticket)`` gives its rows."""
+    def submit(self, prompt_ids: torch.Tensor, *rest: Any, **kwargs: Any) -> int:
+        """Send a generation (``generate``'s arguments; seeds drawn now, here);
+        ``collect(ticket)`` gives its rows."""
+        sampling: Sampling = rest[1] if len(rest) > 1 else kwargs["sampling"]
         seeds = request_seeds(prompt_ids.shape[0] * sampling.group_size)
-        args = (prompt_ids, prompt_mask, sampling, temperatures, position_temperatures)
-        return self._send("generate", (args, {"seeds": seeds}))
+        return self._send("generate", ((prompt_ids, *rest), {**kwargs, "seeds": seeds}))
 
     def generate(self, *args: Any, **kwargs: Any) -> Rollouts:
         return self.collect(self.submit(*args, **kwargs))

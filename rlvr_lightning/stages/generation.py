@@ -54,7 +54,6 @@ class GenerationStage(pl.LightningModule):
                 self.tokenizer,
                 engine_dtype(h.dtype, precision),
                 h.engine_kwargs,
-                process=self.options.asynchrony.overlaps,
             )
         return self._engine
 

@@ -197,8 +197,8 @@ def _vllm_module(folder, engine_kwargs=None, **kwargs) -> RLVRModule:
 
 
 def test_async_with_the_engine_in_its_own_process_trains_as_in_process(folder):
-    """rollout_mode: async puts vLLM in a worker process that decodes the next round while
-    the update runs: the same rounds, versions and request seeds as the in-process schedule,
+    """engine_kwargs.process: true puts vLLM in a worker process that decodes the next round
+    while the update runs: the same rounds, versions and request seeds as the in-process schedule,
     so the same weights; the idle shares of both sides are logged."""
     from lightning.pytorch import seed_everything
 
@@ -327,7 +327,13 @@ def test_on_cpu_no_prompt_is_prefilled_in_chunks(engine):
 
 
 @pytest.mark.parametrize(
-    "mode", [["sync"], ["async"], ["async", "--model.init_args.concurrent_rollouts=4"]]
+    "mode",
+    [
+        ["sync"],
+        ["async"],
+        ["async", f"--model.init_args.engine_kwargs={{kv_cache_gb: {KV_GB}, process: true}}"],
+        ["async", "--model.init_args.concurrent_rollouts=4"],
+    ],
 )
 def test_sigterm_mid_step_then_resume_gives_the_uninterrupted_run(folder, tmp_path, mode):
     """Issue 39's resume guarantee on the vLLM engine: SIGTERM during the third generation,
