@@ -105,7 +105,8 @@ class GenerationStage(pl.LightningModule):
                     self.options.multiturn, temperatures, self.device,
                 )  # fmt: skip
         with weights_cast_once(self.device.type):  # the weights are fixed while it decodes
-            return self.engine.generate(*self.engine_request(batch, sampling, temperatures))
+            *args, position = self.engine_request(batch, sampling, temperatures)
+            return self.engine.generate(*args, position_temperatures=position)
 
     def engine_request(
         self, batch: PromptBatch, sampling: Sampling, temperatures: torch.Tensor | None
@@ -120,7 +121,8 @@ class GenerationStage(pl.LightningModule):
         which decodes while this process goes on; ``engine.collect(ticket)`` gives the rows."""
         temperatures = self._row_temperatures(batch, self.sampling, None)
         self.sync_engine()
-        return self.engine.submit(*self.engine_request(batch, self.sampling, temperatures))
+        *args, position = self.engine_request(batch, self.sampling, temperatures)
+        return self.engine.submit(*args, position_temperatures=position)
 
     @staticmethod
     def _row_temperatures(
