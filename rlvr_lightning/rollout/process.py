@@ -117,7 +117,8 @@ class ProcessEngine:
                 raise RuntimeError(f"The rollout worker did not start within {timeout_s:.0f} s.")
         status, value = self._conn.recv()
         if status == "error":
-            raise RuntimeError(f"The rollout worker process raised:\n{value}")
+            last = value.strip().splitlines()[-1]  # the exception itself, first
+            raise RuntimeError(f"The rollout worker process raised {last}\nIn the worker:\n{value}")
         return value
 
     def _died(self) -> RuntimeError:
