@@ -182,3 +182,46 @@ def test_partial_rollouts_with_replay_curriculum_injection_and_adaptive_temperat
         assert m["async/dropped_rows"] == 0.0
     trained = [p for ids in record.steps for p in ids]
     assert set(dm.stats.records) >= set(trained)  # every trained group reported to the data
+
+
+def test_the_rollout_worker_under_replay_curriculum_injection_and_adaptive_temperature():
+    """The overlapped schedule (the HF engine on its own policy copy in a worker process) under
+    every mechanism that reads or shapes a group: each round is sent one version ahead and
+    scored under the reward state of when it was sent, so replay and the curriculum read
+    outcomes a step late, injection sees every round, adaptive temperature sets the temperature
+    of the prompts as they are sent."""
+    from rlvr_lightning.callbacks import AdaptiveTemperature, GroundTruthInjection
+
+    from rlvr_lightning.rollout.process import ProcessEngine
+
+    class Temperatures(AdaptiveTemperature):
+        def __init__(self) -> None:
+            super().__init__()
+            self.set: list[list[float | None]] = []
+
+        def on_before_generate(self, trainer, module, batch):
+            batch = super().on_before_generate(trainer, module, batch)
+            self.set.append(list(batch.temperatures or []))
+            return batch
+
+    pl.seed_everything(0)
+    record, temps = Record(), Temperatures()
+    inject = GroundTruthInjection(reward_capping=False)
+    model = module(rollout_mode="async", max_staleness=1, engine_kwargs={"process": True})
+    dm = datamodule()
+    trainer = quiet_trainer(max_steps=5, callbacks=[record, temps, inject])
+    trainer.fit(model, datamodule=dm)
+    assert isinstance(model.engine, ProcessEngine)  # the worker ran, overlapped
+    assert trainer.global_step == 5 and len(record.steps) >= 5
+    for ids, m in zip(record.steps, record.metrics, strict=True):
+        assert len(ids) == 4 and len(set(ids)) == 4
+        assert m["async/dropped_rows"] == 0.0
+        assert m["async/staleness_0"] + m["async/staleness_1"] == 1.0
+        assert "async/trainer_idle_s" in m and "async/worker_idle_s" in m
+    assert sum(m["async/staleness_1"] for m in record.metrics) > 0  # trained one version late
+    trained = [p for ids in record.steps for p in ids]
+    assert set(dm.stats.records) >= set(trained)  # every trained group reported to the data
+    assert any(dm.stats.get(p).reused for p in dm.stats), "nothing replayed"
+    assert len(temps.set) >= len(record.steps) and all(len(t) == 4 for t in temps.set)
+    assert inject.injected_total > 0
+    model.engine.close()
