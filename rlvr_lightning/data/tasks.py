@@ -104,8 +104,13 @@ def _arithmetic_example(a: int, b: int, op: str, form: str | None = None) -> Exa
     task = "addition" if op == "+" else "multiplication"
     question = f"What is {a} {op} {b}?" if form is None else form.format(a=a, b=b, op=op)
     prompt, answer = question, str(a + b if op == "+" else a * b)
-    # A worked reference (for guidance callbacks such as GroundTruthInjection).
-    columns = {"answer": answer, "solution": f"{a} {op} {b} = \\boxed{{{answer}}}", "task": task}
+    # A worked reference (for guidance callbacks such as GroundTruthInjection): the result
+    # written out, then boxed. SmolLM2-135M-Instruct greedily completes "7 + 4 = " with the right
+    # sum for 83 of the 100 one-digit sums but "7 + 4 = \boxed{" for 6, and copies a written
+    # sum into the box every time, so a policy that imitates this form computes where it is
+    # good at it (issue 40; the form is this project's choice).
+    worked = f"{a} {op} {b} = {answer}, so the answer is \\boxed{{{answer}}}."
+    columns = {"answer": answer, "solution": worked, "task": task}
     return Example(make_prompt_id(task, prompt, answer), prompt, columns)
 
 

@@ -34,7 +34,7 @@ def test_addition_problem_text_and_answer():
     train, _ = addition_examples(1, train_size=5, val_size=0, seed=1)
     for example in train:
         a, b = (int(x) for x in example.prompt.removeprefix("What is ").rstrip("?").split(" + "))
-        solution = f"{a} + {b} = \\boxed{{{a + b}}}"
+        solution = f"{a} + {b} = {a + b}, so the answer is \\boxed{{{a + b}}}."
         assert example.columns == {"answer": str(a + b), "solution": solution, "task": "addition"}
 
 
