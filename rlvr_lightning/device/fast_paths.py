@@ -227,7 +227,11 @@ def _decide(path: str, dtype: torch.dtype) -> Decision:
         return Decision(**{**entry, "source": "cached"})
     start = time.perf_counter()
     try:
-        trial = measurer(shapes, dtype)
+        # First asked inside validation's inference mode, a trial's tensors would be inference
+        # tensors, which a forward-and-backward trial cannot use (attention in bf16 fell back
+        # to SDPA on every fresh machine so: an update 2.5x slower).
+        with torch.inference_mode(False), torch.enable_grad():
+            trial = measurer(shapes, dtype)
         if not trial.pieces:
             return Decision(reference, reference, source="nothing to measure")
         seconds, errors, steady = run_trial(trial, reference)

@@ -190,6 +190,19 @@ def test_attention_keeps_sdpa_when_the_matmuls_give_other_values(monkeypatch):
     assert fast_paths.chosen()["attention.decode/float32"].errors["grouped"] > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_measured_when_first_asked_in_inference_mode(monkeypatch, dtype):
+    """The first validation asks inside ``torch.inference_mode``: the forward-and-backward
+    trial must still run (it failed there and kept SDPA on every fresh machine)."""
+    model, _ = tiny_policy(seed=0)
+    prepare_model(model, "cpu")
+    _mock_times(monkeypatch, {"sdpa": 1e-3, "grouped": 1e-4})
+    with torch.inference_mode():
+        assert fast_paths.choice(attention.PATH, dtype) == "grouped"
+    made = fast_paths.chosen()[f"attention/{str(dtype).removeprefix('torch.')}"]
+    assert made.source.startswith("measured") and made.errors["grouped"] < 3e-2
+
+
 def test_reference_mode_installs_no_route_and_measures_nothing(monkeypatch):
     monkeypatch.setenv(fast_paths.ENV, "reference")
     calls = _mock_times(monkeypatch, {})
