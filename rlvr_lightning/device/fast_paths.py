@@ -228,8 +228,8 @@ def _decide(path: str, dtype: torch.dtype) -> Decision:
     start = time.perf_counter()
     try:
         # First asked inside validation's inference mode, a trial's tensors would be inference
-        # tensors, which a forward-and-backward trial cannot use (attention in bf16 fell back
-        # to SDPA on every fresh machine so: an update 2.5x slower).
+        # tensors, which a forward-and-backward trial cannot use (the attention trial failed
+        # so, and SDPA was kept without a measurement, on every fresh machine).
         with torch.inference_mode(False), torch.enable_grad():
             trial = measurer(shapes, dtype)
         if not trial.pieces:
