@@ -175,8 +175,9 @@ def test_fit_writes_every_n_steps_beside_the_metrics_and_to_table_loggers(tmp_pa
     assert [r["source"] for r in rows[:3]] == ["policy", "reference", "policy"]
     ref = rows[1]
     assert ref["correct"] is True and ref["sampled_correct"] is False
-    # The built-in task's worked solution, e.g. "6 + 5 = \boxed{11}".
-    assert re.fullmatch(r"\d \+ \d = \\boxed\{\d+\}", ref["completion"]), ref["completion"]
+    # The built-in task's worked solution, e.g. "6 + 5 = 11, so the answer is \boxed{11}.".
+    worked = r"\d \+ \d = (\d+), so the answer is \\boxed\{\1\}\."
+    assert re.fullmatch(worked, ref["completion"]), ref["completion"]
     assert "+" in ref["prompt"] and ref["prompt_id"] == rows[0]["prompt_id"]
 
     _, text, step = loggers[1].writer.texts[-1]
